@@ -1,0 +1,15 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+  keras.backend.clear_session()
+  keras.utils.set_random_seed(1234)
+  yield

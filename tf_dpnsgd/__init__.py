@@ -1,0 +1,21 @@
+"""tf_dpnsgd: differentially private DP-NSGD / DP-SGD training for TensorFlow + Keras 3.
+
+Public API:
+  * Optimizers: :class:`DPNSGD`, :class:`DPSGD`, :class:`DPAdam`, :class:`DPNAdam`.
+  * Models: :class:`DPModel`, :func:`make_private`; ``tf_dpnsgd.models.resnet20``.
+  * Math: :mod:`tf_dpnsgd.transforms` (normalize/clip + sensitivity),
+    :mod:`tf_dpnsgd.noise` (Gaussian mechanism).
+"""
+
+from tf_dpnsgd import models
+from tf_dpnsgd import noise
+from tf_dpnsgd import transforms
+from tf_dpnsgd.optimizers import DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin
+from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "DPModel", "PrivateModelWrapper",
+    "make_private", "validate_layers", "models", "noise", "transforms", "__version__",
+]

@@ -1,0 +1,68 @@
+"""The Gaussian mechanism on summed contributions: seeded, counter-based, checkpointable.
+
+The noise for step ``t`` is a pure function of ``(seed, t)`` (stateless
+Philox-based ``tf.random.stateless_normal``), so a run restored from a
+checkpoint that holds the counter continues the noise stream without repeating
+a draw, and two runs with the same seed draw identical noise.
+
+Formal guarantee: given ``summed = sum_i h_i g_i`` where every contribution has
+L2 norm <= ``sensitivity``, ``add_gaussian_noise`` returns ``summed + N(0, s^2 I)``
+with ``s = noise_multiplier * sensitivity``: the Gaussian mechanism with
+noise multiplier ``noise_multiplier`` (in units of the sensitivity), which is
+what :mod:`tf_dpnsgd.accounting` accounts.
+
+Note: the seed and counter are part of the optimizer's saved state. Anyone who
+holds them and the model checkpoints before and after a step can subtract the
+noise; release model weights (e.g. the SavedModel export), never the
+optimizer state, and leave ``seed=None`` (an OS-random seed) for real runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import tensorflow as tf
+
+
+def validate_noise_multiplier(noise_multiplier) -> float:
+  """Raises ``ValueError`` unless ``noise_multiplier`` is a finite number >= 0."""
+  try:
+    value = float(noise_multiplier)
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        f"`noise_multiplier` must be a finite number >= 0; got {noise_multiplier!r}.") from e
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(f"`noise_multiplier` must be a finite number >= 0; got {noise_multiplier!r}.")
+  return value
+
+
+def random_seed() -> int:
+  """A 63-bit seed from the OS entropy pool (used when the user gives none)."""
+  return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def step_seed(seed: tf.Tensor, counter: tf.Tensor) -> tf.Tensor:
+  """The ``[2]`` int32-compatible stateless seed of noise draw number ``counter``."""
+  base = tf.cast(seed, tf.int64)
+  return tf.random.experimental.stateless_fold_in(base, tf.cast(counter, tf.int64))
+
+
+def add_gaussian_noise(summed: Sequence[tf.Tensor], stddev: float,
+                       seed: tf.Tensor) -> list[tf.Tensor]:
+  """Returns ``summed[k] + N(0, stddev^2)`` elementwise, one independent stream per tensor.
+
+  Args:
+    summed: per-variable sums of bounded contributions.
+    stddev: ``noise_multiplier * sensitivity`` (0 returns ``summed`` unchanged).
+    seed: ``[2]`` stateless seed for this step (see :func:`step_seed`).
+  """
+  if stddev == 0:
+    return list(summed)
+  out = []
+  for k, s in enumerate(summed):
+    k_seed = tf.random.experimental.stateless_fold_in(seed, k)
+    z = tf.random.stateless_normal(tf.shape(s), seed=k_seed, dtype=tf.float32)
+    out.append(s + tf.cast(stddev * z, s.dtype))
+  return out

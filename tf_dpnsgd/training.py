@@ -1,0 +1,358 @@
+"""``DPModel`` and ``make_private``: the train step that feeds DP optimizers.
+
+Keras 3's default ``train_step`` differentiates a reduced loss, so an optimizer
+never sees per-example gradients. ``DPModel`` replaces the train step with the
+DP one, in named phases:
+
+1. ``per-example losses`` from the compiled loss (any reduction),
+2. ``contributions``: an engine (see :mod:`tf_dpnsgd.per_example`) returns the
+   sum of transformed per-unit gradients, in physical chunks if asked,
+3. ``privatize``: the optimizer adds noise once to the sum and divides by the
+   (expected) number of units,
+4. ``apply``: Keras' SGD/Adam update; data-independent gradients (weight
+   regularizers) are added after the noise.
+
+Batches: ``(x, y)`` or, from :mod:`tf_dpnsgd.sampling`'s Poisson sampler,
+``(x, y, {"dp_mask": bool[B], "dp_denominator": float})``: padded rows
+(mask False) contribute exactly zero and the sum is divided by the expected
+batch size. Any other ``sample_weight`` is rejected: weights change the
+per-example sensitivity.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from tf_dpnsgd import losses as losses_lib
+from tf_dpnsgd import transforms
+from tf_dpnsgd.optimizers import DPOptimizerMixin
+from tf_dpnsgd import per_example as per_example_lib
+
+DP_MASK_KEY = "dp_mask"
+DP_DENOMINATOR_KEY = "dp_denominator"
+
+_MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+
+def iter_layers(model):
+  """All layers below ``model`` (nested models and layers included)."""
+  return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def validate_layers(model) -> None:
+  """Raises ``ValueError`` for layers that break per-example privacy.
+
+  * BatchNormalization mixes statistics across the examples of a batch, so one
+    example's gradient depends on the others and its contribution is no longer
+    bounded by the clip/normalization.
+  * Activity regularizers add a data-dependent loss outside the per-example
+    losses.
+  """
+  for layer in iter_layers(model):
+    if isinstance(layer, _MIXING_LAYERS):
+      raise ValueError(
+          f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples within a batch "
+          "(batch statistics), which breaks per-example differential privacy. Replace it "
+          "with keras.layers.GroupNormalization (e.g. groups=16) or LayerNormalization; "
+          "tf_dpnsgd.models.resnet20() is a ResNet20 with GroupNorm.")
+    if getattr(layer, "activity_regularizer", None) is not None:
+      raise ValueError(
+          f"Layer '{layer.name}' has an activity_regularizer: its data-dependent loss "
+          "would bypass per-example clipping. Remove it or fold it into the loss.")
+
+
+def parse_dp_weights(sample_weight):
+  """Splits the third batch element into ``(mask, denominator)``; rejects anything else."""
+  if sample_weight is None:
+    return None, None
+  if isinstance(sample_weight, dict) and DP_MASK_KEY in sample_weight:
+    unknown = set(sample_weight) - {DP_MASK_KEY, DP_DENOMINATOR_KEY}
+    if unknown:
+      raise ValueError(f"Unknown keys {sorted(unknown)} in the DP batch weights.")
+    mask = tf.cast(sample_weight[DP_MASK_KEY], tf.bool)
+    if DP_DENOMINATOR_KEY not in sample_weight:
+      raise ValueError(
+          f"A '{DP_MASK_KEY}' batch needs '{DP_DENOMINATOR_KEY}' (the expected batch size "
+          "qN for Poisson sampling); use tf_dpnsgd.sampling to build such batches.")
+    return mask, tf.reshape(tf.cast(sample_weight[DP_DENOMINATOR_KEY], tf.float32), [])
+  raise ValueError(
+      "DP training does not accept `sample_weight` or `class_weight`: weights change each "
+      "example's contribution and hence the sensitivity the privacy guarantee relies on. "
+      "Resample or reweight the loss instead; Poisson-sampled batches from "
+      "tf_dpnsgd.sampling carry their own padding mask.")
+
+
+def split_chunks(x, start, size):
+  return tf.nest.map_structure(lambda t: t[start:start + size], x)
+
+
+class _DPTrainer:
+  """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
+
+  _dp_keys = ("per_example", "physical_batch_size")
+
+  def _set_dp_options(self, per_example="auto", physical_batch_size=None):
+    if physical_batch_size is not None and (
+        isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int)
+        or physical_batch_size < 1):
+      raise ValueError(f"`physical_batch_size` must be a positive integer or None; "
+                       f"got {physical_batch_size!r}.")
+    self._dp_per_example = per_example_lib.validate_engine_name(per_example)
+    self._dp_physical_batch_size = physical_batch_size
+    self._dp_loss_fn = None
+    self._dp_engine = None
+
+  @property
+  def physical_batch_size(self):
+    return self._dp_physical_batch_size
+
+  @property
+  def per_example(self):
+    return self._dp_per_example
+
+  def _dp_config(self):
+    return {"per_example": self._dp_per_example,
+            "physical_batch_size": self._dp_physical_batch_size}
+
+  # --- compile -------------------------------------------------------------
+  def compile(self, optimizer=None, loss=None, loss_weights=None, metrics=None,
+              jit_compile=False, **kwargs):
+    """As ``keras.Model.compile``, but requires a DP optimizer and checks the model.
+
+    ``jit_compile`` defaults to False (XLA's gain on the vectorized DP step is
+    model dependent; pass True to try it).
+    """
+    optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
+    if not isinstance(optimizer, DPOptimizerMixin):
+      raise TypeError(
+          f"{type(self).__name__} needs a DP optimizer (tf_dpnsgd.DPNSGD, DPSGD, DPAdam or "
+          f"DPNAdam); got {optimizer!r}. For non-private training use a plain keras.Model.")
+    if kwargs.get("weighted_metrics"):
+      raise ValueError("`weighted_metrics` is not supported: DP training takes no sample weights.")
+    validate_layers(self)
+    output_names = getattr(self, "output_names", None)
+    self._dp_loss_fn = losses_lib.per_example_loss_fn(loss, loss_weights, output_names)
+    if not hasattr(self, "_dp_norm_tracker"):
+      self._dp_norm_tracker = keras.metrics.Mean(name="grad_norm")
+      self._dp_clipped_tracker = keras.metrics.Mean(name="clipped_fraction")
+      self._dp_nonfinite_tracker = keras.metrics.Sum(name="nonfinite_examples")
+    super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                    jit_compile=jit_compile, **kwargs)
+    self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
+
+  def compile_from_config(self, config):
+    """Restores ``compile`` (with its DP optimizer) when a saved model is loaded."""
+    config = keras.saving.deserialize_keras_object(config)
+    self.compile(**config)
+    if self.built:
+      self.optimizer.build(self.trainable_variables)
+
+  # --- train step ----------------------------------------------------------
+  def _contributions(self, x, y, mask, num_microbatches):
+    """Phase 2: the engine, possibly over physical chunks of the logical batch."""
+    engine = self._dp_engine
+    transform = self.optimizer.transform
+    size = self._dp_physical_batch_size
+    if size is None:
+      return engine(self, self._dp_loss_fn, x, y, transform, mask=mask,
+                    num_microbatches=num_microbatches)
+    if num_microbatches:
+      raise ValueError("physical_batch_size cannot be combined with num_microbatches; "
+                       "the microbatch is already the unit of computation.")
+    return self._chunked_contributions(engine, transform, x, y, mask, size)
+
+  def _chunked_contributions(self, engine, transform, x, y, mask, size):
+    batch = per_example_lib.vectorized.batch_size_of(x)
+    num_chunks = (batch + size - 1) // size
+    variables = self.trainable_variables
+    x_spec = tf.nest.map_structure(
+        lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
+    pred_dtypes = [t.dtype for t in tf.nest.flatten(self.compute_output_spec(x_spec))]
+
+    def new_ta(dtype):
+      return tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
+
+    def body(i, acc, ta_losses, ta_norms, ta_factors, ta_preds):
+      start = i * size
+      m = None if mask is None else mask[start:start + size]
+      out = engine(self, self._dp_loss_fn, split_chunks(x, start, size),
+                   split_chunks(y, start, size), transform, mask=m, num_microbatches=None)
+      acc = [a + tf.cast(s, a.dtype) for a, s in zip(acc, out.summed)]
+      preds = [ta.write(i, p) for ta, p in zip(ta_preds, tf.nest.flatten(out.y_pred))]
+      return (i + 1, acc, ta_losses.write(i, out.losses), ta_norms.write(i, out.norms),
+              ta_factors.write(i, out.factors), preds)
+
+    init = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
+            new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
+            [new_ta(d) for d in pred_dtypes])
+    _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
+        lambda i, *_: i < num_chunks, body, init, parallel_iterations=1)
+    y_spec = self.compute_output_spec(x_spec)
+
+    def concat(ta, shape=(None,)):
+      t = ta.concat()
+      t.set_shape(shape)
+      return t
+
+    y_pred = tf.nest.pack_sequence_as(
+        y_spec, [concat(ta, s.shape) for ta, s in zip(ta_p, tf.nest.flatten(y_spec))])
+    return per_example_lib.EngineOutput(summed=acc, norms=concat(ta_n), factors=concat(ta_f),
+                                        losses=concat(ta_l), y_pred=y_pred)
+
+  def _public_gradients(self, variables):
+    """Gradients of data-independent weight regularizers (added after the noise)."""
+    regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
+    if not regularized:
+      return None, 0.0
+    with tf.GradientTape() as tape:
+      reg = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
+    return tape.gradient(reg, variables), reg
+
+  def train_step(self, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    mask, denominator = parse_dp_weights(sample_weight)
+    optimizer = self.optimizer
+    num_microbatches = optimizer.num_microbatches
+    variables = self.trainable_variables
+
+    out = self._contributions(x, y, mask, num_microbatches)
+    batch = per_example_lib.vectorized.batch_size_of(x)
+    if denominator is None:
+      denominator = tf.cast(num_microbatches or batch, tf.float32)
+    public_grads, reg_loss = self._public_gradients(variables)
+    optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads)
+
+    self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
+    metric_weights = None if mask is None else tf.cast(mask, tf.float32)
+    return self.compute_metrics(x, y, out.y_pred, sample_weight=metric_weights)
+
+  def _update_dp_trackers(self, out, mask, reg_loss, num_microbatches):
+    """Logging only (not privatized, like the training loss in tf-privacy/Opacus)."""
+    losses = out.losses
+    valid = tf.math.is_finite(losses)
+    if mask is not None:
+      valid = tf.logical_and(valid, mask)
+    weights = tf.cast(valid, tf.float32)
+    count = tf.reduce_sum(weights)
+    mean_loss = tf.reduce_sum(tf.where(valid, losses, 0.0)) / tf.maximum(count, 1.0)
+    self._loss_tracker.update_state(mean_loss + reg_loss, sample_weight=count)
+
+    unit_valid = tf.math.is_finite(out.norms)
+    unit_real = tf.ones_like(unit_valid) if mask is None else mask
+    nonfinite = tf.logical_and(unit_real, tf.logical_not(unit_valid))
+    self._dp_nonfinite_tracker.update_state(tf.reduce_sum(tf.cast(nonfinite, tf.float32)))
+    ok = tf.logical_and(unit_real, unit_valid)
+    ok_w = tf.cast(ok, tf.float32)
+    self._dp_norm_tracker.update_state(tf.where(ok, out.norms, 0.0), sample_weight=ok_w)
+    if isinstance(self.optimizer.transform, transforms.Clip):
+      clipped = tf.cast(out.factors < 1.0, tf.float32)
+      self._dp_clipped_tracker.update_state(clipped, sample_weight=ok_w)
+
+  @property
+  def metrics(self):
+    metrics = list(super().metrics)
+    extra = [getattr(self, n, None) for n in
+             ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker")]
+    metrics += [m for m in extra if m is not None and m not in metrics]
+    optimizer = getattr(self, "optimizer", None)
+    if not (isinstance(optimizer, DPOptimizerMixin)
+            and isinstance(optimizer.transform, transforms.Clip)):
+      metrics = [m for m in metrics if m is not extra[1]]  # clipping stats only for Clip
+    return metrics
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class DPModel(_DPTrainer, keras.Model):
+  """A Keras functional model whose ``fit`` trains with differential privacy.
+
+  Build it like ``keras.Model(inputs, outputs)``; compile it with a DP
+  optimizer; ``fit`` then runs the DP train step (per-example gradients,
+  transform, noise once per logical batch, update).
+
+  Args:
+    inputs, outputs, name: as the functional ``keras.Model``.
+    per_example: engine for per-example gradients (``"auto"``,
+      ``"vectorized"``; see :mod:`tf_dpnsgd.per_example`).
+    physical_batch_size: process each logical batch in chunks of at most this
+      many examples (same result and privacy, less memory); noise is still
+      added once per logical batch.
+
+  Example::
+
+      model = tf_dpnsgd.DPModel(inputs, outputs)
+      model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01,
+                                               noise_multiplier=1.2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+      model.fit(x, y, batch_size=256)
+  """
+
+  def __init__(self, *args, per_example="auto", physical_batch_size=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._set_dp_options(per_example, physical_batch_size)
+
+  def get_config(self):
+    config = super().get_config()
+    config.update(self._dp_config())
+    return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    options = {k: config.pop(k) for k in cls._dp_keys if k in config}
+    model = super().from_config(config, custom_objects=custom_objects)
+    model._set_dp_options(**options)
+    return model
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class PrivateModelWrapper(_DPTrainer, keras.Model):
+  """DP training around a subclassed Keras model (made by :func:`make_private`)."""
+
+  def __init__(self, model, per_example="auto", physical_batch_size=None, **kwargs):
+    super().__init__(**kwargs)
+    self.model = model
+    self._set_dp_options(per_example, physical_batch_size)
+
+  def call(self, inputs, training=None):
+    return self.model(inputs, training=training)
+
+  def get_config(self):
+    config = {"model": keras.saving.serialize_keras_object(self.model), "name": self.name}
+    config.update(self._dp_config())
+    return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    config["model"] = keras.saving.deserialize_keras_object(config["model"],
+                                                          custom_objects=custom_objects)
+    return cls(**config)
+
+
+def make_private(model: keras.Model, per_example="auto", physical_batch_size=None) -> keras.Model:
+  """Returns a model that shares ``model``'s layers and weights and trains with DP.
+
+  Functional and Sequential models become a :class:`DPModel` over the same
+  graph; subclassed models are wrapped. Training the result updates the
+  original model's weights too.
+
+  Raises:
+    ValueError: if the model contains a layer that breaks per-example privacy
+      (e.g. BatchNormalization: use GroupNormalization).
+  """
+  validate_layers(model)
+  if isinstance(model, _DPTrainer):
+    raise ValueError(f"Model '{model.name}' is already private.")
+  try:
+    inputs, outputs = model.input, model.output
+  except (AttributeError, ValueError):
+    inputs = outputs = None
+  if inputs is not None and outputs is not None:
+    return DPModel(inputs=inputs, outputs=outputs, name=model.name, per_example=per_example,
+                   physical_batch_size=physical_batch_size)
+  logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
+  return PrivateModelWrapper(model, per_example=per_example,
+                             physical_batch_size=physical_batch_size, name=f"private_{model.name}")
