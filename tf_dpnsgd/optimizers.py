@@ -87,25 +87,42 @@ class DPOptimizerMixin:
     """Number of noise draws so far (one per private step); restored from checkpoints."""
     return self._noise_draws
 
-  def privatize(self, summed, denominator):
+  def privatize(self, summed, denominator, local_denominator=False):
     """Adds calibrated noise to the summed contributions and divides by ``denominator``.
+
+    Under a ``tf.distribute`` strategy with several replicas, the per-replica
+    sums are all-reduced first and every replica adds the SAME noise draw (same
+    seed and counter), so the noise enters once per logical batch.
 
     Args:
       summed: per-variable ``sum_i h_i g_i`` (each unit's contribution bounded
         by ``self.transform.sensitivity``).
       denominator: number of units (batch size, number of microbatches, or the
         expected batch size ``qN`` under Poisson sampling).
+      local_denominator: True if ``denominator`` counts this replica's units
+        only (it is then summed over replicas too).
 
     Returns:
       The privatized mean gradient, one tensor per variable.
     """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+      summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(summed))
+      if local_denominator:
+        denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                     tf.cast(denominator, tf.float32))
     seed = noise_lib.step_seed(self._noise_seed.value, self._noise_draws.value)
     self._noise_draws.assign_add(1)
     noisy = noise_lib.add_gaussian_noise(summed, self.noise_stddev, seed)
     denominator = tf.cast(denominator, tf.float32)
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+      # Keras sums the replicas' gradients in apply_gradients; every replica
+      # holds the same privatized mean, so each passes 1/R of it.
+      denominator = denominator * ctx.num_replicas_in_sync
     return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
-  def apply_private_gradients(self, summed, denominator, variables, public_grads=None):
+  def apply_private_gradients(self, summed, denominator, variables, public_grads=None,
+                              local_denominator=False):
     """Privatizes ``summed`` and applies the update to ``variables``.
 
     Args:
@@ -114,11 +131,12 @@ class DPOptimizerMixin:
       variables: the trainable variables, aligned with ``summed``.
       public_grads: optional data-independent gradients (e.g. of weight
         regularizers) added after the noise; ``None`` entries are skipped.
+      local_denominator: see :meth:`privatize`.
     """
     if not self.built:
       with keras.name_scope(self.name, caller=self):
         self.build(variables)
-    grads = self.privatize(summed, denominator)
+    grads = self.privatize(summed, denominator, local_denominator)
     if public_grads is not None:
       grads = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(grads, public_grads)]
     self._dp_applying = True

@@ -220,10 +220,12 @@ class _DPTrainer:
 
     out = self._contributions(x, y, mask, num_microbatches)
     batch = per_example_lib.vectorized.batch_size_of(x)
-    if denominator is None:
+    local = denominator is None
+    if local:
       denominator = tf.cast(num_microbatches or batch, tf.float32)
     public_grads, reg_loss = self._public_gradients(variables)
-    optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads)
+    optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads,
+                                      local_denominator=local)
 
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
     metric_weights = None if mask is None else tf.cast(mask, tf.float32)
