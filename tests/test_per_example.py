@@ -117,3 +117,22 @@ def test_chunked_train_step_matches_unchunked(name):
   for a, b in zip(results[0][0], results[1][0]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert results[0][1]["loss"][0] == pytest.approx(results[1][1]["loss"][0], rel=1e-5)
+
+
+def test_dropout_masks_differ_per_example_and_per_step():
+  """Inside vectorized_map a loop-invariant seed would give every example the same mask."""
+  inp = keras.Input((16,))
+  out = keras.layers.Dropout(0.5)(keras.layers.Dense(16, kernel_initializer="ones",
+                                                     use_bias=False)(inp))
+  model = keras.Model(inp, out)
+
+  def mse(y_true, y_pred):
+    return tf.reduce_mean(tf.square(y_pred - y_true), axis=-1)
+
+  x = tf.ones((6, 16))
+  first = vectorized_engine(model, mse, x, tf.zeros((6, 16)), transforms.Clip(1e9))
+  second = vectorized_engine(model, mse, x, tf.zeros((6, 16)), transforms.Clip(1e9))
+  masks = (first.y_pred.numpy() != 0)
+  assert len({m.tobytes() for m in masks}) > 1  # examples get their own masks
+  assert not np.array_equal(masks, second.y_pred.numpy() != 0)  # and new ones each step
+  assert 0.3 < masks.mean() < 0.7

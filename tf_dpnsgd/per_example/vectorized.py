@@ -9,6 +9,7 @@ are materialised (``[U, *var_shape]`` per variable), transformed and summed by
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from tf_dpnsgd import transforms
@@ -49,6 +50,33 @@ def check_microbatches(batch_size: tf.Tensor, num_microbatches):
               "(use drop_remainder batches, or a batch size that is a multiple).")]
 
 
+def seed_generators(model):
+  """Keras ``SeedGenerator``s of all layers (Dropout and other random layers)."""
+  gens = []
+  for layer in model._flatten_layers(include_self=True, recursive=True):
+    for gen in getattr(layer, "_seed_generators", ()):
+      if all(gen is not g for g in gens):
+        gens.append(gen)
+  return gens
+
+
+def per_unit_random_state(generators, unit_index):
+  """A ``keras.StatelessScope`` giving unit ``unit_index`` its own random stream.
+
+  Inside ``tf.vectorized_map`` a layer's random op would otherwise draw ONE
+  mask for the whole batch (the seed is loop invariant), e.g. identical
+  dropout for every example. Offsetting each generator's state by the unit
+  index gives independent per-example masks; the generators are advanced
+  once per step by the caller.
+  """
+  mapping = []
+  for gen in generators:
+    state = gen.state.value
+    offset = tf.cast(unit_index, state.dtype) * tf.constant(0x9E3779B1, state.dtype)
+    mapping.append((gen.state, state + tf.stack([tf.zeros([], state.dtype), offset])))
+  return keras.StatelessScope(state_mapping=mapping)
+
+
 def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
                       variables=None) -> EngineOutput:
   """Transformed sum of per-unit gradients via ``tf.vectorized_map``.
@@ -75,21 +103,27 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     xu = to_units(x, num_microbatches)
     yu = to_units(y, num_microbatches)
 
+  generators = seed_generators(model)
+
   def unit_gradient(args):
-    x_u, y_u = args
+    x_u, y_u, index = args
     if not num_microbatches:
       x_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), x_u)
       y_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y_u)
-    with tf.GradientTape() as tape:
-      y_pred = model(x_u, training=True)
-      losses = loss_fn(y_u, y_pred)
-      loss = tf.reduce_mean(losses)
-    grads = tape.gradient(loss, variables,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    with per_unit_random_state(generators, index):
+      with tf.GradientTape() as tape:
+        y_pred = model(x_u, training=True)
+        losses = loss_fn(y_u, y_pred)
+        loss = tf.reduce_mean(losses)
+      grads = tape.gradient(loss, variables,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (Embedding) -> dense
     return grads, losses, y_pred
 
-  grads, losses, y_pred = tf.vectorized_map(unit_gradient, (xu, yu))
+  units = batch_size_of(xu)
+  grads, losses, y_pred = tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+  for gen in generators:  # advance each random stream once per step
+    gen.next()
   summed, norms, factors = transforms.transform_and_sum(grads, transform, mask)
   return EngineOutput(summed=summed, norms=norms, factors=factors,
                       losses=tf.reshape(losses, [-1]),
