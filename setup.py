@@ -27,9 +27,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3", "scikit-learn>=1.4", "matplotlib>=3.8",
-                 "keras-hub>=0.32,<0.33", "safetensors>=0.4", "tensorflow-datasets>=4.9"],
+                 "keras-hub>=0.32,<0.33", "safetensors>=0.4", "tensorflow-datasets>=4.9", "importlib_resources"],
         "experiments": ["scikit-learn>=1.4", "matplotlib>=3.8", "keras-hub>=0.32,<0.33",
-                        "safetensors>=0.4", "tensorflow-datasets>=4.9"],
+                        "safetensors>=0.4", "tensorflow-datasets>=4.9", "importlib_resources"],
     },
     entry_points={"console_scripts": []},
 )

@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# oneDNN crashes per-example gradients of MultiHeadAttention under tf.vectorized_map on CPU.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

@@ -7,8 +7,11 @@ Public API:
     :mod:`tf_dpnsgd.noise` (Gaussian mechanism).
 """
 
+from tf_dpnsgd import data
+from tf_dpnsgd import export
 from tf_dpnsgd import models
 from tf_dpnsgd import noise
+from tf_dpnsgd import schedules
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin
 from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
@@ -17,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "DPModel", "PrivateModelWrapper",
-    "make_private", "validate_layers", "models", "noise", "transforms", "__version__",
+    "make_private", "validate_layers", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
 ]

@@ -1,0 +1,226 @@
+"""Writers of tiny on-disk datasets and models in their real formats (for tests).
+
+Each writer puts files where a user's download would put them, so a loader
+test exercises the real parsing path:
+
+  * :func:`write_cifar10_batches`: ``cifar-10-batches-py`` pickles.
+  * :func:`write_sst2_tsv`: GLUE ``SST-2/{train,dev}.tsv``.
+  * :func:`write_tiny_bert_preset`: a keras-hub preset directory of a tiny,
+    randomly initialised BERT classifier (``save_to_preset``).
+  * :func:`write_tiny_hf_bert`: the same kind of model as a Hugging Face
+    checkpoint folder (config.json, model.safetensors, vocab.txt,
+    tokenizer_config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import keras
+import numpy as np
+
+TINY_WORDS = ("the a an movie film story plot actors it is was not very really too so and but "
+              "good great fun funny moving brilliant bad boring dull terrible awful slow "
+              "loved hated , . !").split()
+TINY_VOCAB = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]") + tuple(TINY_WORDS)
+
+POSITIVE = ("a great movie", "the film was fun", "really moving and brilliant !",
+            "loved it", "good actors , good story", "so funny")
+NEGATIVE = ("a boring film", "the plot was dull", "really terrible and slow .",
+            "hated it", "bad actors , awful story", "too slow")
+
+
+# --- CIFAR-10 ---------------------------------------------------------------
+def cifar_rows(images: np.ndarray) -> np.ndarray:
+  """``[n, 32, 32, 3]`` -> ``[n, 3072]`` rows in the file's order (all red, green, blue)."""
+  return images.transpose(0, 3, 1, 2).reshape(len(images), -1)
+
+
+def write_cifar10_batches(root, images_per_batch=20, seed=0, subfolder=True):
+  """Writes a small ``cifar-10-batches-py`` (5 training batches + test batch).
+
+  Args:
+    root: folder to write into.
+    images_per_batch: images in each of the six batch files.
+    seed: RNG seed of the random images and labels.
+    subfolder: write into ``root/cifar-10-batches-py`` (as the tarball
+      extracts) rather than ``root`` itself.
+
+  Returns:
+    ``(folder, ((x_train, y_train), (x_test, y_test)))``: where the batch files
+    are, and what a loader must return (uint8 HWC images, int64 labels).
+  """
+  rng = np.random.default_rng(seed)
+  folder = os.path.join(os.fspath(root), "cifar-10-batches-py") if subfolder else os.fspath(root)
+  os.makedirs(folder, exist_ok=True)
+  names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+  parts = []
+  for name in names:
+    images = rng.integers(0, 256, size=(images_per_batch, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=images_per_batch)
+    batch = {b"batch_label": name.encode(), b"labels": [int(l) for l in labels],
+             b"data": cifar_rows(images),
+             b"filenames": [f"{name}_{i}.png".encode() for i in range(images_per_batch)]}
+    with open(os.path.join(folder, name), "wb") as f:
+      pickle.dump(batch, f, protocol=2)
+    parts.append((images, labels.astype(np.int64)))
+  with open(os.path.join(folder, "batches.meta"), "wb") as f:
+    pickle.dump({b"label_names": [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog",
+                                  b"frog", b"horse", b"ship", b"truck"]}, f, protocol=2)
+  train = (np.concatenate([x for x, _ in parts[:5]]), np.concatenate([y for _, y in parts[:5]]))
+  return folder, (train, parts[5])
+
+
+# --- GLUE SST-2 ----------------------------------------------------------------
+def write_sst2_tsv(root, train=None, dev=None, subfolder=True):
+  """Writes GLUE-style ``train.tsv`` and ``dev.tsv`` (header ``sentence<TAB>label``).
+
+  Args:
+    root: folder to write into.
+    train, dev: lists of ``(sentence, label)``; default: :data:`POSITIVE` /
+      :data:`NEGATIVE` sentences.
+    subfolder: write into ``root/SST-2`` (as the GLUE zip extracts).
+
+  Returns:
+    ``(folder, train_rows, dev_rows)``.
+  """
+  if train is None:
+    train = [(s, 1) for s in POSITIVE] + [(s, 0) for s in NEGATIVE]
+  if dev is None:
+    dev = [("a fun movie", 1), ("a dull film", 0), ('it is " not " so bad', 1)]
+  folder = os.path.join(os.fspath(root), "SST-2") if subfolder else os.fspath(root)
+  os.makedirs(folder, exist_ok=True)
+  for name, rows in (("train.tsv", train), ("dev.tsv", dev)):
+    with open(os.path.join(folder, name), "w", encoding="utf-8", newline="") as f:
+      f.write("sentence\tlabel\n")
+      for sentence, label in rows:
+        f.write(f"{sentence}\t{label}\n")
+  return folder, list(train), list(dev)
+
+
+def _numpy(value):
+  return keras.ops.convert_to_numpy(value)
+
+
+# --- tiny BERT ---------------------------------------------------------------------
+TINY_BERT = {"num_layers": 1, "num_heads": 2, "hidden_dim": 16, "intermediate_dim": 32,
+             "max_sequence_length": 16}
+
+
+def write_vocab(path, vocab=TINY_VOCAB):
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(vocab) + "\n")
+  return path
+
+
+def tiny_bert_backbone(vocabulary_size=len(TINY_VOCAB), **overrides):
+  """A randomly initialised keras-hub ``BertBackbone`` of ~10k parameters."""
+  import keras_hub
+  return keras_hub.models.BertBackbone(vocabulary_size=vocabulary_size,
+                                       **{**TINY_BERT, **overrides})
+
+
+def write_tiny_bert_preset(path, num_classes=2, sequence_length=16):
+  """Saves a tiny BERT classifier + tokenizer + preprocessor as a keras-hub preset.
+
+  Returns:
+    ``path`` (usable as ``text_classifier(path)`` offline).
+  """
+  import keras_hub
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  vocab = write_vocab(os.path.join(path, "..", os.path.basename(path) + "_vocab.txt"))
+  tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
+  preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
+      tokenizer, sequence_length=sequence_length)
+  classifier = keras_hub.models.BertTextClassifier(tiny_bert_backbone(), num_classes=num_classes,
+                                                   preprocessor=preprocessor)
+  classifier.save_to_preset(path)
+  return path
+
+
+def hf_bert_state_dict(backbone, prefix="bert."):
+  """A Hugging Face ``BertModel`` state dict (numpy) holding ``backbone``'s weights.
+
+  The inverse of keras-hub's ``convert_bert.convert_weights``: torch Linear
+  weights are ``[out, in]`` (the transposed Keras kernel).
+  """
+  hidden = backbone.hidden_dim
+
+  def kernel(variable):
+    """Keras kernel (input axes first) -> torch ``[out, in]``."""
+    value = _numpy(variable)
+    if value.ndim == 3:  # attention [in, heads, head_dim] or [heads, head_dim, out]
+      value = value.reshape(hidden, hidden)
+    return value.T
+
+  def norm(layer, name):
+    return {f"{name}.weight": _numpy(layer.gamma), f"{name}.bias": _numpy(layer.beta)}
+
+  state = {
+      "embeddings.word_embeddings.weight": _numpy(
+          backbone.get_layer("token_embedding").embeddings),
+      "embeddings.position_embeddings.weight": _numpy(
+          backbone.get_layer("position_embedding").position_embeddings),
+      "embeddings.token_type_embeddings.weight": _numpy(
+          backbone.get_layer("segment_embedding").embeddings),
+      **norm(backbone.get_layer("embeddings_layer_norm"), "embeddings.LayerNorm"),
+      "pooler.dense.weight": kernel(backbone.get_layer("pooled_dense").kernel),
+      "pooler.dense.bias": _numpy(backbone.get_layer("pooled_dense").bias),
+  }
+  for i in range(backbone.num_layers):
+    block = backbone.get_layer(f"transformer_layer_{i}")
+    attn = block._self_attention_layer
+    p = f"encoder.layer.{i}."
+    for name, dense in (("attention.self.query", attn.query_dense),
+                        ("attention.self.key", attn.key_dense),
+                        ("attention.self.value", attn.value_dense),
+                        ("attention.output.dense", attn.output_dense)):
+      state[p + name + ".weight"] = kernel(dense.kernel)
+      state[p + name + ".bias"] = _numpy(dense.bias).reshape(-1)
+    state.update(norm(block._self_attention_layer_norm, p + "attention.output.LayerNorm"))
+    state[p + "intermediate.dense.weight"] = kernel(block._feedforward_intermediate_dense.kernel)
+    state[p + "intermediate.dense.bias"] = _numpy(block._feedforward_intermediate_dense.bias)
+    state[p + "output.dense.weight"] = kernel(block._feedforward_output_dense.kernel)
+    state[p + "output.dense.bias"] = _numpy(block._feedforward_output_dense.bias)
+    state.update(norm(block._feedforward_layer_norm, p + "output.LayerNorm"))
+  return {prefix + k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()}
+
+
+def write_tiny_hf_bert(path, backbone=None):
+  """Writes a tiny BERT as a Hugging Face checkpoint folder.
+
+  Returns:
+    ``(path, backbone)``: the folder and the Keras backbone whose weights it
+    holds (the oracle for a loader).
+  """
+  from safetensors.numpy import save_file
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  backbone = backbone or tiny_bert_backbone()
+  config = {"model_type": "bert", "architectures": ["BertForMaskedLM"],
+            "vocab_size": backbone.vocabulary_size, "hidden_size": backbone.hidden_dim,
+            "num_hidden_layers": backbone.num_layers, "num_attention_heads": backbone.num_heads,
+            "intermediate_size": backbone.intermediate_dim,
+            "max_position_embeddings": backbone.max_sequence_length, "type_vocab_size": 2,
+            "hidden_act": "gelu", "layer_norm_eps": 1e-12}
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"do_lower_case": True, "tokenizer_class": "BertTokenizer"}, f)
+  write_vocab(os.path.join(path, "vocab.txt"))
+  save_file(hf_bert_state_dict(backbone), os.path.join(path, "model.safetensors"))
+  return path, backbone
+
+
+# --- tiny image model ---------------------------------------------------------------
+def tiny_image_model(input_shape=(8, 8, 3), num_classes=3, name="tiny_cnn"):
+  """Conv -> GroupNorm -> ReLU -> pool -> Dense: a DP-compatible image classifier."""
+  inputs = keras.Input(input_shape, name="image")
+  x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+  x = keras.layers.GroupNormalization(groups=2, name="gn")(x)
+  x = keras.layers.Activation("relu")(x)
+  x = keras.layers.GlobalAveragePooling2D()(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes, name="logits")(x), name=name)

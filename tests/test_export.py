@@ -1,0 +1,138 @@
+"""SavedModel exports reproduce the in-memory model and never hold optimizer state."""
+
+import json
+import os
+import platform
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fixtures
+import tf_dpnsgd
+from tf_dpnsgd import export
+from tf_dpnsgd.data import cifar10
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
+
+
+def _dp_optimizer():
+  return tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1, noise_multiplier=1.0, seed=1234)
+
+
+def _trained_image_model():
+  """A tiny CNN after two DP steps (so its optimizer holds dp_noise_seed)."""
+  model = tf_dpnsgd.make_private(fixtures.tiny_image_model())
+  model.compile(optimizer=_dp_optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.default_rng(0)
+  pixels = rng.integers(0, 256, (8, 8, 8, 3)).astype(np.uint8)
+  model.fit(np.asarray(cifar10.normalize(pixels, MEAN, STD)), rng.integers(0, 3, 8),
+            batch_size=4, verbose=0)
+  return model
+
+
+def test_image_export_matches_in_memory_model_on_raw_pixels(tmp_path):
+  model = _trained_image_model()
+  assert "dpnsgd/dp_noise_seed" in {v.path for v in model.optimizer.variables}
+  export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
+
+  pixels = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3)).astype(np.uint8)
+  logits = np.asarray(model(cifar10.normalize(pixels, MEAN, STD), training=False))
+  loaded = tf.saved_model.load(export_dir)
+  for name, images in (("serving_default", tf.constant(pixels, tf.float32)),
+                       ("serving_uint8", tf.constant(pixels))):
+    out = loaded.signatures[name](images=images)
+    np.testing.assert_allclose(out["logits"].numpy(), logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["probabilities"].numpy(),
+                               tf.nn.softmax(logits).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out["class_ids"].numpy(), logits.argmax(-1))
+
+
+def test_export_holds_no_optimizer_state(tmp_path):
+  model = _trained_image_model()
+  export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
+  names = set(export.exported_variable_names(export_dir))
+  assert names == {v.path for v in model.variables}  # the weights, and nothing else
+  assert not any("dp_noise" in n or n.startswith("dpnsgd/") for n in names)
+  loaded_names = {v.name for v in tf.saved_model.load(export_dir).variables}
+  assert not any("dp_noise" in n for n in loaded_names)
+
+
+def test_optimizer_state_check_catches_a_leak(tmp_path):
+  model = _trained_image_model()
+  module = tf.Module()
+  secret = next(v for v in model.optimizer.variables if v.path.endswith("dp_noise_seed"))
+  module.seed = secret.value  # the tf.Variable behind it
+  assert module.seed.name.startswith("dpnsgd/dp_noise_seed")
+  tf.saved_model.save(module, str(tmp_path / "leaky"))
+  with pytest.raises(RuntimeError, match=r"optimizer state \['dpnsgd/dp_noise_seed'\]"):
+    export.check_no_optimizer_state(tmp_path / "leaky")
+  with pytest.raises(RuntimeError, match="must never be released"):
+    export.check_no_optimizer_state(tmp_path / "leaky", model.optimizer)
+
+
+def test_image_export_refuses_double_normalization_and_overwrite(tmp_path):
+  model = fixtures.tiny_image_model()
+  raw = cifar10.with_normalization(model, MEAN, STD)
+  with pytest.raises(ValueError, match="already normalizes pixels"):
+    export.export_image_classifier(raw, tmp_path / "a", MEAN, STD)
+  export_dir = export.export_image_classifier(raw, tmp_path / "a", None, None)
+  pixels = np.full((1, 8, 8, 3), 128.0, np.float32)
+  np.testing.assert_allclose(
+      tf.saved_model.load(export_dir).signatures["serving_default"](
+          images=tf.constant(pixels))["logits"].numpy(),
+      np.asarray(model(cifar10.normalize(pixels, MEAN, STD))), rtol=1e-5, atol=1e-6)
+  with pytest.raises(FileExistsError, match="exists"):
+    export.export_image_classifier(raw, tmp_path / "a", None, None)
+
+
+def test_text_export_takes_raw_sentences(tmp_path):
+  pytest.importorskip("keras_hub")
+  pytest.importorskip("tensorflow_text")
+  from tf_dpnsgd.models import text
+
+  preset = fixtures.write_tiny_bert_preset(tmp_path / "preset")
+  classifier, preprocessor = text.text_classifier(preset, sequence_length=16)
+  classifier.compile(optimizer=_dp_optimizer())  # an optimizer that must not be exported
+  classifier.optimizer.build(classifier.trainable_variables)
+  export_dir = export.export_text_classifier(classifier, preprocessor, tmp_path / "sst2")
+
+  sentences = ["a great movie", "the plot was dull and slow .", "unknownword !"]
+  logits = np.asarray(classifier(preprocessor(tf.constant(sentences)), training=False))
+  out = export.load_serving_fn(export_dir)(sentences=tf.constant(sentences))
+  np.testing.assert_allclose(out["logits"].numpy(), logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out["probabilities"].numpy().sum(-1), 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(out["class_ids"].numpy(), logits.argmax(-1))
+  assert not any("dp_noise" in n for n in export.exported_variable_names(export_dir))
+
+
+# --- privacy report -----------------------------------------------------------------
+def test_write_privacy_report_adds_versions(tmp_path):
+  path = export.write_privacy_report(
+      tmp_path, epsilon=np.float32(2.5), delta=1e-5, noise_multiplier=1.1, steps=np.int64(900),
+      epsilon_per_epoch=[0.5, 1.0], unbounded=float("inf"), data_seed=3,
+      sampling={"kind": "poisson", "rate": 0.004})
+  assert path == os.path.join(tmp_path, "privacy_report.json")
+  with open(path) as f:
+    report = json.load(f)
+  assert report["epsilon"] == pytest.approx(2.5) and report["steps"] == 900
+  assert report["unbounded"] == "inf" and report["sampling"]["kind"] == "poisson"
+  versions = report["versions"]
+  assert versions["tensorflow"] == tf.__version__ and versions["keras"] == keras.__version__
+  assert versions["tf_dpnsgd"] == tf_dpnsgd.__version__
+  assert versions["python"] == platform.python_version()
+  assert "dp_accounting" in versions and "keras_hub" in versions
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"seed": 0}, ValueError, "noise seed must never be released"),
+    ({"optimizer": {"noise_seed": 0}}, ValueError, r"report.optimizer.noise_seed"),
+    ({"versions": {}}, ValueError, "filled in"),
+    ({"model": object()}, TypeError, "report.model has type object"),
+])
+def test_write_privacy_report_refuses(tmp_path, fields, error, match):
+  with pytest.raises(error, match=match):
+    export.write_privacy_report(tmp_path / "r.json", **fields)
+  assert not (tmp_path / "r.json").exists()

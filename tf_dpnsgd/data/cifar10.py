@@ -1,0 +1,347 @@
+"""CIFAR-10: loading, per-channel normalization, seeded crop + flip augmentation.
+
+Images stay raw (uint8, 0-255) until the model: :class:`PixelNormalization`
+(or :func:`with_normalization`) normalizes inside the network, so a trained
+model and its export take the pixels a user has.
+
+Normalization constants: :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD` are the
+per-channel mean and (population) standard deviation of all pixels of the
+50,000 training images scaled to [0, 1], i.e. what :func:`channel_stats`
+returns on the real training set, rounded to 4 digits. They are public
+constants, not a privacy cost; recomputing them on private data would be.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+BATCHES_FOLDER = "cifar-10-batches-py"
+TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_FILE = "test_batch"
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+LAYOUT_HELP = (
+    f"Expected the CIFAR-10 python version: a folder '{BATCHES_FOLDER}' holding "
+    f"{', '.join(TRAIN_FILES)} and {TEST_FILE} (pickled dicts with b'data', uint8 "
+    f"[n, 3072] in channel-major order, and b'labels'). Download {CIFAR10_URL}, run "
+    f"`tar xzf cifar-10-python.tar.gz`, and pass data_dir=<the folder containing "
+    f"{BATCHES_FOLDER}> (or that folder itself).")
+
+
+# --- loading -----------------------------------------------------------------
+def load_cifar10(data_dir=None):
+  """Loads CIFAR-10 as raw uint8 images.
+
+  Args:
+    data_dir: a local copy in the ``cifar-10-batches-py`` layout (this folder
+      or a folder containing it). ``None``: tensorflow-datasets ``cifar10``
+      (downloads it unless already prepared).
+
+  Returns:
+    ``((x_train, y_train), (x_test, y_test))``: images uint8
+    ``[N, 32, 32, 3]`` (HWC), labels int64 ``[N]`` in ``0..9``.
+
+  Raises:
+    FileNotFoundError: ``data_dir`` lacks the layout, or no ``data_dir`` was
+      given and tensorflow-datasets cannot provide the data (e.g. offline);
+      the message names the layout to provide and where to download it.
+    ValueError: a batch file is malformed.
+  """
+  if data_dir is not None:
+    return read_batches_dir(find_batches_dir(data_dir))
+  try:
+    return _load_tfds()
+  except Exception as e:  # ImportError, network errors, tfds' own errors.
+    raise FileNotFoundError(
+        f"CIFAR-10 is not available: no data_dir was given and tensorflow-datasets "
+        f"could not provide 'cifar10' ({type(e).__name__}: {e}). {LAYOUT_HELP}") from e
+
+
+def find_batches_dir(data_dir) -> str:
+  """Returns the ``cifar-10-batches-py`` folder: ``data_dir`` itself or its child.
+
+  Raises:
+    FileNotFoundError: neither holds all batch files (the message lists the
+      missing ones and the expected layout).
+  """
+  data_dir = os.fspath(data_dir)
+  candidates = (data_dir, os.path.join(data_dir, BATCHES_FOLDER))
+  for folder in candidates:
+    if all(os.path.isfile(os.path.join(folder, f)) for f in TRAIN_FILES + (TEST_FILE,)):
+      return folder
+  missing = [f for f in TRAIN_FILES + (TEST_FILE,)
+             if not os.path.isfile(os.path.join(candidates[1], f))
+             and not os.path.isfile(os.path.join(candidates[0], f))]
+  raise FileNotFoundError(
+      f"No CIFAR-10 batches in '{data_dir}' (missing: {', '.join(missing)}). {LAYOUT_HELP}")
+
+
+def read_batches_dir(folder):
+  """Reads the five training batches and the test batch of ``folder``.
+
+  Returns:
+    ``((x_train, y_train), (x_test, y_test))`` as :func:`load_cifar10`.
+  """
+  parts = [read_batch(os.path.join(folder, f)) for f in TRAIN_FILES]
+  x_train = np.concatenate([x for x, _ in parts])
+  y_train = np.concatenate([y for _, y in parts])
+  return (x_train, y_train), read_batch(os.path.join(folder, TEST_FILE))
+
+
+def read_batch(path):
+  """Reads one ``cifar-10-batches-py`` batch file.
+
+  The file is a pickle; only numpy arrays and plain Python containers are
+  accepted (any other class in the pickle raises instead of running code).
+
+  Args:
+    path: e.g. ``.../cifar-10-batches-py/data_batch_1``.
+
+  Returns:
+    ``(images uint8 [n, 32, 32, 3], labels int64 [n])``.
+
+  Raises:
+    ValueError: missing keys, wrong shapes, or labels outside ``0..9``.
+  """
+  with open(path, "rb") as f:
+    batch = _ArrayUnpickler(f, path).load()
+  if not isinstance(batch, dict):
+    raise ValueError(f"{path}: expected a pickled dict, got {type(batch).__name__}.")
+  data, labels = _get(batch, "data", path), _get(batch, "labels", path)
+  data = np.asarray(data)
+  labels = np.asarray(labels, dtype=np.int64)
+  pixels = int(np.prod(IMAGE_SHAPE))
+  if data.ndim != 2 or data.shape[1] != pixels or data.dtype != np.uint8:
+    raise ValueError(f"{path}: b'data' must be uint8 [n, {pixels}]; got {data.dtype} "
+                     f"{list(data.shape)}.")
+  if labels.shape != (data.shape[0],):
+    raise ValueError(f"{path}: {labels.size} labels for {data.shape[0]} images.")
+  if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+    raise ValueError(f"{path}: labels must lie in 0..{NUM_CLASSES - 1}.")
+  return chw_rows_to_hwc(data), labels
+
+
+def chw_rows_to_hwc(rows: np.ndarray) -> np.ndarray:
+  """``[n, 3072]`` rows (1024 red, 1024 green, 1024 blue) -> ``[n, 32, 32, 3]``."""
+  height, width, channels = IMAGE_SHAPE
+  return rows.reshape(-1, channels, height, width).transpose(0, 2, 3, 1)
+
+
+def _get(batch, key, path):
+  for k in (key.encode(), key):
+    if k in batch:
+      return batch[k]
+  raise ValueError(f"{path}: no '{key}' entry (keys: {sorted(map(str, batch))}).")
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+  """Unpickles numpy arrays and builtins only (no arbitrary code)."""
+
+  _ALLOWED = {("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+              ("numpy", "ndarray"), ("numpy", "dtype"),
+              ("_codecs", "encode")}  # bytes in pickle protocol 2 written by Python 3
+
+  def __init__(self, file, path):
+    super().__init__(file, encoding="bytes")
+    self._path = path
+
+  def find_class(self, module, name):
+    if module.startswith("numpy.core"):  # pickles written by numpy < 2
+      module = "numpy._core" + module[len("numpy.core"):]
+    if (module, name) not in self._ALLOWED:
+      raise pickle.UnpicklingError(
+          f"{self._path}: refusing to unpickle {module}.{name}; a CIFAR-10 batch holds only "
+          f"numpy arrays and lists. {LAYOUT_HELP}")
+    return super().find_class(module, name)
+
+
+def _load_tfds():
+  import tensorflow_datasets as tfds  # optional dependency
+  splits = tfds.load("cifar10", split=["train", "test"], as_supervised=True)
+  out = []
+  for split in splits:  # batches, not batch_size=-1 (which needs the split sizes' metadata)
+    batches = list(tfds.as_numpy(split.batch(10_000)))
+    out.append((np.concatenate([x for x, _ in batches]).astype(np.uint8),
+                np.concatenate([y for _, y in batches]).astype(np.int64)))
+  return tuple(out)
+
+
+# --- normalization -----------------------------------------------------------
+def channel_stats(images, scale=255.0, chunk=10_000):
+  """Per-channel mean and population std of ``images / scale``.
+
+  Args:
+    images: ``[N, H, W, C]`` array (e.g. uint8 pixels).
+    scale: raw value that maps to 1.0.
+    chunk: images per float64 chunk (bounds memory).
+
+  Returns:
+    ``(mean, std)``, tuples of ``C`` floats.
+  """
+  images = np.asarray(images)
+  total = np.zeros(images.shape[-1])
+  squares = np.zeros(images.shape[-1])
+  for start in range(0, len(images), chunk):
+    block = images[start:start + chunk].reshape(-1, images.shape[-1]).astype(np.float64) / scale
+    total += block.sum(axis=0)
+    squares += np.square(block).sum(axis=0)
+  count = images.size // images.shape[-1]
+  mean = total / count
+  std = np.sqrt(np.maximum(squares / count - np.square(mean), 0.0))
+  return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+def normalize(images, mean=CIFAR10_MEAN, std=CIFAR10_STD, scale=255.0):
+  """``(images / scale - mean) / std`` per channel, as float32.
+
+  Args:
+    images: ``[..., C]`` raw pixels (any real or integer dtype).
+    mean, std: per-channel constants in units of ``images / scale``.
+    scale: raw value that maps to 1.0 (255 for 8-bit images).
+
+  Returns:
+    float32 tensor of the same shape.
+  """
+  x = keras.ops.cast(images, "float32") / scale
+  return (x - keras.ops.convert_to_tensor(mean, "float32")) / keras.ops.convert_to_tensor(
+      std, "float32")
+
+
+def _validate_stats(mean, std, scale):
+  mean = tuple(float(m) for m in mean)
+  std = tuple(float(s) for s in std)
+  if len(mean) != len(std):
+    raise ValueError(f"`mean` and `std` need one value per channel; got {len(mean)} and "
+                     f"{len(std)}.")
+  if not all(np.isfinite(s) and s > 0 for s in std):
+    raise ValueError(f"`std` must be positive and finite; got {std}.")
+  if not (np.isfinite(scale) and scale > 0):
+    raise ValueError(f"`scale` must be positive and finite; got {scale!r}.")
+  return mean, std, float(scale)
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class PixelNormalization(keras.layers.Layer):
+  """Keras layer computing :func:`normalize`; no weights, so nothing to privatize.
+
+  Args:
+    mean, std: per-channel constants (in units of ``pixels / scale``).
+    scale: raw value that maps to 1.0.
+  """
+
+  def __init__(self, mean=CIFAR10_MEAN, std=CIFAR10_STD, scale=255.0, **kwargs):
+    super().__init__(**kwargs)
+    self.mean, self.std, self.scale = _validate_stats(mean, std, scale)
+
+  def call(self, inputs):
+    return normalize(inputs, self.mean, self.std, self.scale)
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  def get_config(self):
+    config = super().get_config()
+    config.update({"mean": list(self.mean), "std": list(self.std), "scale": self.scale})
+    return config
+
+
+def with_normalization(model, mean=CIFAR10_MEAN, std=CIFAR10_STD, scale=255.0, name=None):
+  """A model taking raw pixels: :class:`PixelNormalization` then ``model``.
+
+  The result shares ``model``'s layers and weights (training either trains
+  both).
+
+  Args:
+    model: a built Keras model on normalized images ``[None, H, W, C]``.
+    mean, std, scale: see :func:`normalize`.
+    name: name of the new model (default ``"<model.name>_raw_pixels"``).
+
+  Returns:
+    A functional ``keras.Model`` on float32 raw pixels.
+  """
+  shape = tuple(model.input_shape[1:])
+  if len(shape) != 3 or len(tuple(mean)) != shape[-1]:
+    raise ValueError(f"Model '{model.name}' takes {shape}; expected images [H, W, C] with one "
+                     f"mean/std per channel ({len(tuple(mean))} given).")
+  inputs = keras.Input(shape=shape, name="pixels")
+  x = PixelNormalization(mean, std, scale, name="pixel_normalization")(inputs)
+  return keras.Model(inputs, model(x), name=name or f"{model.name}_raw_pixels")
+
+
+# --- augmentation ------------------------------------------------------------
+def random_crop_flip(images, seed, padding=4):
+  """Zero-pads by ``padding``, crops back to size at random, flips left-right with p=1/2.
+
+  Stateless: the same ``seed`` gives the same result. A batch gets one
+  independent draw per image.
+
+  Args:
+    images: ``[H, W, C]`` or ``[B, H, W, C]``, any dtype.
+    seed: int ``[2]`` stateless seed.
+    padding: pixels of zero padding on each side (4 in the paper's setup).
+
+  Returns:
+    Images of the same shape and dtype.
+  """
+  images = tf.convert_to_tensor(images)
+  seed = tf.cast(tf.convert_to_tensor(seed), tf.int64)
+  if images.shape.rank == 3:
+    return _crop_flip_one(images, seed, padding)
+  if images.shape.rank != 4:
+    raise ValueError(f"`images` must be [H, W, C] or [B, H, W, C]; got {images.shape}.")
+  seeds = tf.random.stateless_uniform([tf.shape(images)[0], 2], seed, minval=None, maxval=None,
+                                      dtype=tf.int64)
+  return tf.map_fn(lambda a: _crop_flip_one(a[0], a[1], padding), (images, seeds),
+                   fn_output_signature=tf.TensorSpec(images.shape[1:], images.dtype))
+
+
+def _crop_flip_one(image, seed, padding):
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, num=2))
+  padded = tf.pad(image, [[padding, padding], [padding, padding], [0, 0]])
+  cropped = tf.image.stateless_random_crop(padded, tf.shape(image), seed=crop_seed)
+  flipped = tf.image.stateless_random_flip_left_right(cropped, seed=flip_seed)
+  return tf.ensure_shape(flipped, image.shape)
+
+
+def augment_dataset(dataset, seed, padding=4):
+  """Applies :func:`random_crop_flip` to the images of a ``tf.data`` pipeline.
+
+  Deterministic given ``seed`` (and the TF global seed), yet different in
+  each epoch: per-element seeds come from
+  ``tf.data.Dataset.random(seed, rerandomize_each_iteration=True)``.
+
+  Args:
+    dataset: elements ``image``, ``(image, label)`` or ``(image, label, ...)``
+      (batched or not).
+    seed: int.
+    padding: see :func:`random_crop_flip`.
+
+  Returns:
+    The augmented dataset (same element structure).
+  """
+  seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(
+      2, drop_remainder=True)
+
+  def apply(element, element_seed):
+    if isinstance(element, tuple):
+      return (random_crop_flip(element[0], element_seed, padding),) + element[1:]
+    return random_crop_flip(element, element_seed, padding)
+
+  return tf.data.Dataset.zip((dataset, seeds)).map(apply, num_parallel_calls=tf.data.AUTOTUNE,
+                                                   deterministic=True)
+
+
+__all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL", "IMAGE_SHAPE", "NUM_CLASSES",
+           "PixelNormalization", "augment_dataset", "channel_stats", "find_batches_dir",
+           "load_cifar10", "normalize", "random_crop_flip", "read_batch", "read_batches_dir",
+           "with_normalization"]

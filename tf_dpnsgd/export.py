@@ -1,0 +1,281 @@
+"""Export trained classifiers as TF SavedModels for serving, and write privacy reports.
+
+The exports take what a user has (raw pixels, raw sentences): normalization
+or tokenization happens inside. Signature ``serving_default`` returns
+``logits``, ``probabilities`` (softmax) and ``class_ids`` (argmax, int64).
+
+Formal guarantee: an export holds only the variables its serving functions
+read (the model's weights), never the optimizer state. In particular the DP
+noise seed and draw counter (optimizer variables ``dp_noise_seed`` and
+``dp_noise_draws``) are never written: whoever knows them can regenerate and
+subtract the noise, which voids the privacy guarantee. Each export is checked
+after writing (:func:`check_no_optimizer_state`) and deleted if the check
+fails. (The models are exported through ``keras.export.ExportArchive``,
+which saves the variables the endpoints use; Keras checkpoints
+``model.save(...)``, in contrast, do include the optimizer.)
+
+Loading a text export needs the tokenizer ops of tensorflow-text:
+``import tensorflow_text`` before ``tf.saved_model.load`` (or use
+:func:`load_serving_fn`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shutil
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dpnsgd import training
+from tf_dpnsgd.data import cifar10
+
+SIGNATURE = "serving_default"
+SECRET_VARIABLE = re.compile(r"(^|/)dp_noise_(seed|draws)(:\d+)?$")
+SECRET_FIELD = re.compile(r"(^|_)seed$")
+PUBLIC_SEED_FIELDS = ("data_seed", "shuffle_seed", "init_seed", "split_seed", "augment_seed")
+REPORT_FILE = "privacy_report.json"
+
+
+# --- serving outputs -------------------------------------------------------
+def classification_outputs(logits):
+  """``{"logits", "probabilities", "class_ids"}`` from float logits ``[batch, classes]``."""
+  logits = tf.cast(logits, tf.float32)
+  return {"logits": logits, "probabilities": tf.nn.softmax(logits, axis=-1),
+          "class_ids": tf.argmax(logits, axis=-1, output_type=tf.int64)}
+
+
+def export_image_classifier(model, export_dir, mean, std, scale=255.0):
+  """Exports ``model`` behind pixel normalization, as a SavedModel on raw pixels.
+
+  Signatures: ``serving_default`` takes ``images`` float32 ``[None, H, W, C]``
+  with raw values 0..``scale``; ``serving_uint8`` takes uint8 images.
+
+  Args:
+    model: a built Keras model (e.g. a trained ``DPModel``) mapping images
+      normalized by :func:`tf_dpnsgd.data.cifar10.normalize` to logits.
+    export_dir: SavedModel directory to create (must not exist).
+    mean, std: the per-channel normalization used in training, in units of
+      ``pixels / scale`` (e.g. ``cifar10.CIFAR10_MEAN``, ``cifar10.CIFAR10_STD``);
+      both ``None`` if ``model`` already takes raw pixels (e.g. built with
+      :func:`tf_dpnsgd.data.cifar10.with_normalization`).
+    scale: raw value that maps to 1.0 (255 for 8-bit images).
+
+  Returns:
+    ``export_dir``.
+
+  Raises:
+    ValueError: ``model`` does not take images, or it already contains a
+      ``PixelNormalization`` layer and ``mean``/``std`` are given (the pixels
+      would be normalized twice).
+  """
+  shape = tuple(model.input_shape[1:])
+  if len(shape) != 3:
+    raise ValueError(f"Model '{model.name}' takes {shape}; expected images [H, W, C].")
+  if (mean is None) != (std is None):
+    raise ValueError("Pass both `mean` and `std`, or neither (model takes raw pixels).")
+  inner = [layer.name for layer in training.iter_layers(model)
+           if isinstance(layer, cifar10.PixelNormalization)]
+  if mean is not None and inner:
+    raise ValueError(f"Model '{model.name}' already normalizes pixels (layer {inner[0]}); "
+                     "pass mean=None, std=None.")
+  normalization = None if mean is None else cifar10.PixelNormalization(
+      mean, std, scale, name="pixel_normalization")
+
+  def serve(images):
+    x = images if normalization is None else normalization(images)
+    return classification_outputs(model(x, training=False))
+
+  def serve_uint8(images):
+    return serve(tf.cast(images, tf.float32))
+
+  _write(export_dir, model, [model], {
+      SIGNATURE: (serve, tf.TensorSpec((None,) + shape, tf.float32, name="images")),
+      "serving_uint8": (serve_uint8, tf.TensorSpec((None,) + shape, tf.uint8, name="images")),
+  })
+  return export_dir
+
+
+def export_text_classifier(model, preprocessor, export_dir):
+  """Exports ``preprocessor`` + ``model`` as one SavedModel on raw sentences.
+
+  Signature ``serving_default`` takes ``sentences`` tf.string ``[None]``.
+
+  Args:
+    model: the classifier on token dicts (from
+      :func:`tf_dpnsgd.models.text.text_classifier`, possibly trained through
+      ``make_private``).
+    preprocessor: the matching keras-hub ``TextClassifierPreprocessor``.
+    export_dir: SavedModel directory to create (must not exist).
+
+  Returns:
+    ``export_dir``.
+  """
+  preprocessor(tf.constant(["build"]))  # builds the tokenizer layers before tracking
+
+  def serve(sentences):
+    return classification_outputs(model(preprocessor(sentences), training=False))
+
+  _write(export_dir, model, [model, preprocessor],
+         {SIGNATURE: (serve, tf.TensorSpec([None], tf.string, name="sentences"))})
+  return export_dir
+
+
+def _write(export_dir, model, tracked, endpoints):
+  export_dir = os.fspath(export_dir)
+  if os.path.exists(export_dir):
+    raise FileExistsError(f"Export directory '{export_dir}' exists; choose a new one (an export "
+                          "is never written over another).")
+  archive = keras.export.ExportArchive()
+  for resource in tracked:
+    archive.track(resource)
+  for name, (fn, spec) in endpoints.items():
+    archive.add_endpoint(name, fn, input_signature=[spec])
+  archive.write_out(export_dir, verbose=False)
+  try:
+    check_no_optimizer_state(export_dir, getattr(model, "optimizer", None))
+  except Exception:
+    shutil.rmtree(export_dir, ignore_errors=True)
+    raise
+
+
+# --- the optimizer-state guarantee --------------------------------------------
+def exported_variable_names(export_dir) -> list[str]:
+  """Names of all variables stored in a SavedModel (read from ``saved_model.pb``).
+
+  Needs no custom ops (unlike ``tf.saved_model.load`` of a text export).
+  """
+  from tensorflow.core.protobuf import saved_model_pb2
+
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(os.fspath(export_dir), "saved_model.pb"), "rb") as f:
+    proto.ParseFromString(f.read())
+  return [node.variable.name for graph in proto.meta_graphs
+          for node in graph.object_graph_def.nodes if node.HasField("variable")]
+
+
+def check_no_optimizer_state(export_dir, optimizer=None):
+  """Raises ``RuntimeError`` if the SavedModel holds optimizer state.
+
+  Checks every stored variable name against the DP noise state
+  (``dp_noise_seed``, ``dp_noise_draws``) and, if ``optimizer`` is given,
+  against the paths of all its variables.
+
+  Args:
+    export_dir: a SavedModel directory.
+    optimizer: the training optimizer, or ``None``.
+  """
+  forbidden = set()
+  if optimizer is not None:
+    forbidden = {v.path for v in optimizer.variables}
+  leaked = sorted({name for name in exported_variable_names(export_dir)
+                   if SECRET_VARIABLE.search(name) or name.split(":")[0] in forbidden})
+  if leaked:
+    raise RuntimeError(
+        f"The export '{export_dir}' contains optimizer state {leaked}; it must never be "
+        "released (the DP noise seed lets anyone remove the noise). Export with "
+        "tf_dpnsgd.export.export_*_classifier, not model.save().")
+
+
+def load_serving_fn(export_dir, signature=SIGNATURE):
+  """Loads a SavedModel signature, importing tensorflow-text first if installed.
+
+  Returns:
+    The concrete function; call it with keyword arguments (``images=...`` or
+    ``sentences=...``).
+  """
+  try:
+    import tensorflow_text  # noqa: F401  registers the tokenizer ops
+  except ImportError:
+    pass
+  return tf.saved_model.load(os.fspath(export_dir)).signatures[signature]
+
+
+# --- privacy report ---------------------------------------------------------------
+def package_versions() -> dict:
+  """Versions of python, tf_dpnsgd and the packages a result depends on (if installed)."""
+  import tf_dpnsgd
+
+  versions = {"python": platform.python_version(), "tf_dpnsgd": tf_dpnsgd.__version__,
+              "tensorflow": tf.__version__, "keras": keras.__version__}
+  for key, dist in (("dp_accounting", "dp-accounting"), ("keras_hub", "keras-hub"),
+                    ("tensorflow_datasets", "tensorflow-datasets")):
+    try:
+      versions[key] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return versions
+
+
+def _jsonable(value, where):
+  if isinstance(value, dict):
+    out = {}
+    for key, item in value.items():
+      if not isinstance(key, str):
+        raise TypeError(f"Report field {where}: keys must be strings; got {key!r}.")
+      _reject_secret(key, f"{where}.{key}")
+      out[key] = _jsonable(item, f"{where}.{key}")
+    return out
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+  if isinstance(value, (np.generic, np.ndarray)):
+    return _jsonable(value.tolist(), where)
+  if isinstance(value, tf.Tensor):
+    return _jsonable(value.numpy().tolist(), where)
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)  # JSON has no inf/nan; "inf" for an unbounded epsilon
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, os.PathLike):
+    return os.fspath(value)
+  raise TypeError(f"Report field {where} has type {type(value).__name__}, which JSON cannot "
+                  "hold; pass numbers, strings, lists or dicts.")
+
+
+def _reject_secret(key, where):
+  if SECRET_FIELD.search(key.lower()) and key.lower() not in PUBLIC_SEED_FIELDS:
+    raise ValueError(
+        f"Report field {where} looks like a seed. The DP noise seed must never be released; "
+        f"name a public seed as one of {PUBLIC_SEED_FIELDS} if you mean one of those.")
+
+
+def write_privacy_report(path, **fields):
+  """Writes ``privacy_report.json``: the given fields plus package versions.
+
+  Args:
+    path: the JSON file, or an existing directory (the file is then
+      ``<path>/privacy_report.json``).
+    **fields: JSON-able values (numpy and tf scalars/arrays are converted;
+      inf/nan are written as strings), e.g. ``epsilon=``, ``delta=``,
+      ``noise_multiplier=``, ``sampling=``, ``steps=``, ``accountant=``.
+      A field (or nested key) named ``seed`` or ``*_seed`` other than
+      :data:`PUBLIC_SEED_FIELDS` is refused: the noise seed is secret.
+
+  Returns:
+    The path written.
+  """
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, REPORT_FILE)
+  if "versions" in fields:
+    raise ValueError("`versions` is filled in by write_privacy_report; do not pass it.")
+  report = _jsonable(dict(fields), "report")
+  report["versions"] = package_versions()
+  parent = os.path.dirname(path)
+  if parent:
+    os.makedirs(parent, exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2, sort_keys=True)
+    f.write("\n")
+  return path
+
+
+__all__ = ["check_no_optimizer_state", "classification_outputs", "export_image_classifier",
+           "export_text_classifier", "exported_variable_names", "load_serving_fn",
+           "package_versions", "write_privacy_report"]

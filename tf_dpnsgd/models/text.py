@@ -1,0 +1,252 @@
+"""Text classifiers from keras-hub presets, split from their preprocessor.
+
+DP training needs per-example gradients of a model on token ids, so the
+classifier is returned WITHOUT its preprocessor: tokenize once with the
+returned preprocessor (``preprocessor(sentences)`` -> dict of token tensors),
+then ``tf_dpnsgd.make_private(classifier)`` and ``fit`` on those dicts.
+
+Accepted presets (checked before anything is loaded):
+  * a keras-hub built-in preset name, e.g. ``"roberta_base_en"`` (the paper's
+    SST-2 model) or ``"bert_tiny_en_uncased"``; downloaded from Kaggle on
+    first use, then cached;
+  * a remote handle ``kaggle://...``, ``hf://...``, ``gs://...`` or
+    ``modelscope://...`` (resolved by keras-hub);
+  * a local keras-hub preset directory (written by ``save_to_preset``; its
+    ``config.json`` names a Keras class, and ``tokenizer.json`` is needed);
+  * a local Hugging Face checkpoint folder of a BERT or RoBERTa model:
+    ``config.json`` (with ``model_type`` and ``architectures``),
+    ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) and
+    the tokenizer files: ``vocab.txt`` + ``tokenizer_config.json`` (with
+    ``do_lower_case``) for BERT, ``vocab.json`` + ``merges.txt`` for RoBERTa.
+    keras-hub 0.32 reads such a folder offline from its plain path
+    (``keras_hub.src.utils.preset_utils.get_preset_loader`` sees ``model_type``
+    in ``config.json`` and converts the weights on load).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+
+import keras
+
+REMOTE_SCHEMES = ("kaggle", "hf", "gs", "modelscope")
+HF_MODEL_TYPES = {
+    "bert": ("vocab.txt", "tokenizer_config.json"),
+    "roberta": ("vocab.json", "merges.txt"),
+}
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+ACCEPTED_HELP = (
+    "Accepted presets: a keras-hub built-in TextClassifier preset name (e.g. 'roberta_base_en', "
+    "'bert_tiny_en_uncased'; list them with "
+    "`sorted(keras_hub.models.TextClassifier.presets)`), a remote handle "
+    f"({', '.join(s + '://' for s in REMOTE_SCHEMES)}), a local keras-hub preset directory "
+    "written by `save_to_preset` (config.json + tokenizer.json + weights), or a local Hugging "
+    "Face BERT/RoBERTa checkpoint folder (config.json, model.safetensors, and vocab.txt + "
+    "tokenizer_config.json for BERT or vocab.json + merges.txt for RoBERTa).")
+
+
+def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embeddings=True):
+  """Builds a pretrained keras-hub text classifier and its preprocessor.
+
+  The classification head is new (randomly initialised for ``num_classes``);
+  the encoder carries the preset's pretrained weights.
+
+  ``freeze_embeddings=True`` makes the input embedding tables non-trainable:
+  every embedding layer directly under the backbone (BERT: token, position
+  and segment embeddings; RoBERTa: the token-and-position embedding). The
+  embedding LayerNorm stays trainable. Frozen variables are left out of
+  ``trainable_variables``, so they get no per-example gradient and no noise.
+  Reference: Yang et al. (2022) freeze the embeddings when fine-tuning
+  RoBERTa-base on SST-2. For comparison, the ``--static_embedding`` option of
+  Li et al. (2021)'s private-transformers freezes ``get_input_embeddings()``,
+  the word embeddings only; the position (and segment) tables are ~1% of the
+  embedding parameters of RoBERTa-base, and freezing them too keeps the
+  embedding lookup fixed as a whole.
+
+  Args:
+    preset: preset name, remote handle or local directory (see the module doc).
+    num_classes: number of logits.
+    sequence_length: tokens per example after packing (truncate / pad); at
+      most the backbone's ``max_sequence_length``.
+    freeze_embeddings: freeze the input embedding layers (see above).
+
+  Returns:
+    ``(classifier, preprocessor)``: a functional ``keras.Model`` mapping the
+    token dict (``token_ids``, ``padding_mask`` and, for BERT,
+    ``segment_ids``) to logits ``[batch, num_classes]``, and the keras-hub
+    ``TextClassifierPreprocessor`` mapping a batch of strings to that dict.
+
+  Raises:
+    ValueError / FileNotFoundError: unknown preset or incomplete directory
+      (before anything is loaded); ``sequence_length`` out of range.
+    RuntimeError: a remote preset could not be fetched (e.g. offline).
+  """
+  if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+    raise ValueError(f"`num_classes` must be an integer >= 2; got {num_classes!r}.")
+  if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) \
+      or sequence_length < 2:
+    raise ValueError(f"`sequence_length` must be an integer >= 2; got {sequence_length!r}.")
+  preset = resolve_preset(preset)
+  import keras_hub
+
+  try:
+    classifier = keras_hub.models.TextClassifier.from_preset(
+        preset, num_classes=num_classes, preprocessor=None)
+    preprocessor = keras_hub.models.TextClassifierPreprocessor.from_preset(
+        preset, sequence_length=sequence_length)
+  except Exception as e:
+    if os.path.isdir(preset):
+      raise
+    raise RuntimeError(
+        f"Could not load keras-hub preset '{preset}' ({type(e).__name__}: {e}). Built-in "
+        "presets are downloaded from Kaggle on first use; offline, pass a local directory "
+        f"instead. {ACCEPTED_HELP}") from e
+  check_sequence_length(classifier.backbone, sequence_length)
+  if freeze_embeddings:
+    freeze_input_embeddings(classifier.backbone)
+  return classifier, preprocessor
+
+
+def resolve_preset(preset) -> str:
+  """Checks that ``preset`` is a loadable text-classifier preset, without loading it.
+
+  Args:
+    preset: see :func:`text_classifier`.
+
+  Returns:
+    The preset as a string (a local path, a handle or a built-in name).
+
+  Raises:
+    TypeError: not a string or path.
+    FileNotFoundError: a local path that does not exist, or a directory that
+      lacks required files (the message lists them).
+    ValueError: an unknown name or an unsupported checkpoint.
+  """
+  if not isinstance(preset, (str, os.PathLike)):
+    raise TypeError(f"`preset` must be a string or path; got {type(preset).__name__}. "
+                    f"{ACCEPTED_HELP}")
+  preset = os.fspath(preset)
+  if os.path.isdir(preset):
+    validate_local_preset(preset)
+    return preset
+  if "://" in preset:
+    scheme = preset.split("://", 1)[0].lower()
+    if scheme in REMOTE_SCHEMES:
+      return preset
+    raise ValueError(f"Unknown preset scheme '{scheme}://' in '{preset}'. {ACCEPTED_HELP}")
+  builtin = builtin_presets()
+  if preset in builtin:
+    return preset
+  if os.sep in preset or preset.startswith((".", "~")):
+    raise FileNotFoundError(f"Preset directory '{preset}' does not exist. {ACCEPTED_HELP}")
+  close = difflib.get_close_matches(preset, builtin, n=3)
+  hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+  raise ValueError(f"Unknown preset '{preset}'.{hint} {ACCEPTED_HELP}")
+
+
+def builtin_presets() -> list[str]:
+  """Names of keras-hub's built-in text-classifier presets."""
+  import keras_hub
+  return sorted(keras_hub.models.TextClassifier.presets)
+
+
+def validate_local_preset(path) -> str:
+  """Checks a local preset directory for the files keras-hub will read.
+
+  Args:
+    path: a keras-hub preset directory or a Hugging Face BERT/RoBERTa folder.
+
+  Returns:
+    ``"keras"`` or ``"transformers"``: the directory's format.
+
+  Raises:
+    FileNotFoundError: a required file is missing (all missing files named).
+    ValueError: ``config.json`` is unreadable or of an unsupported model type.
+  """
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"'{path}' has no config.json, so it is not a model preset. "
+                            f"{ACCEPTED_HELP}")
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e}).") from e
+  if isinstance(config, dict) and "registered_name" in config:
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+      raise FileNotFoundError(
+          f"keras-hub preset '{path}' has no tokenizer.json. Save the tokenizer with the model: "
+          "`classifier.save_to_preset(dir)` on a classifier that has a preprocessor, or "
+          "`preprocessor.save_to_preset(dir)` into the same directory.")
+    return "keras"
+  if isinstance(config, dict) and "model_type" in config:
+    _validate_hf_folder(path, config)
+    return "transformers"
+  raise ValueError(f"Unrecognised config.json in '{path}' (neither a keras-hub preset nor a "
+                   f"Hugging Face checkpoint). {ACCEPTED_HELP}")
+
+
+def _validate_hf_folder(path, config):
+  model_type = config["model_type"]
+  if model_type not in HF_MODEL_TYPES:
+    raise ValueError(
+        f"Hugging Face checkpoint '{path}' has model_type '{model_type}'; supported: "
+        f"{', '.join(sorted(HF_MODEL_TYPES))} (or convert it to a keras-hub preset).")
+  if not config.get("architectures"):
+    raise ValueError(f"{path}/config.json lacks 'architectures' (e.g. "
+                     f"[\"{model_type.capitalize()}ForMaskedLM\"]); keras-hub needs it.")
+  missing = [f for f in HF_MODEL_TYPES[model_type] if not os.path.isfile(os.path.join(path, f))]
+  if not any(os.path.isfile(os.path.join(path, f)) for f in HF_WEIGHT_FILES):
+    missing.append(" or ".join(HF_WEIGHT_FILES) + " (PyTorch .bin weights are not read; "
+                   "save with safe_serialization=True)")
+  if missing:
+    raise FileNotFoundError(f"Hugging Face {model_type} checkpoint '{path}' is missing: "
+                            f"{'; '.join(missing)}.")
+  if model_type == "bert":
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+      if "do_lower_case" not in json.load(f):
+        raise ValueError(f"{path}/tokenizer_config.json must set \"do_lower_case\" (true for "
+                         "uncased checkpoints); keras-hub reads it to build the tokenizer.")
+
+
+def check_sequence_length(backbone, sequence_length):
+  """Raises ``ValueError`` if ``sequence_length`` exceeds the backbone's position table."""
+  limit = getattr(backbone, "max_sequence_length", None)
+  if limit is not None and sequence_length > limit:
+    raise ValueError(f"`sequence_length`={sequence_length} exceeds the backbone's "
+                     f"max_sequence_length={limit}.")
+
+
+def _embedding_types():
+  import keras_hub
+  return (keras.layers.Embedding, keras_hub.layers.PositionEmbedding,
+          keras_hub.layers.TokenAndPositionEmbedding)
+
+
+def freeze_input_embeddings(backbone) -> list[str]:
+  """Sets the embedding layers directly under ``backbone`` non-trainable.
+
+  Args:
+    backbone: a keras-hub backbone (e.g. ``classifier.backbone``).
+
+  Returns:
+    Names of the frozen layers.
+
+  Raises:
+    ValueError: the backbone has no embedding layer at its top level.
+  """
+  frozen = [layer for layer in backbone.layers if isinstance(layer, _embedding_types())]
+  if not frozen:
+    raise ValueError(f"Backbone '{backbone.name}' ({type(backbone).__name__}) has no embedding "
+                     "layer at its top level to freeze; pass freeze_embeddings=False.")
+  for layer in frozen:
+    layer.trainable = False
+  return [layer.name for layer in frozen]
+
+
+__all__ = ["ACCEPTED_HELP", "builtin_presets", "check_sequence_length",
+           "freeze_input_embeddings", "resolve_preset", "text_classifier",
+           "validate_local_preset"]
