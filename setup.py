@@ -23,6 +23,7 @@ setup(
         "keras>=3.15,<4",
         "dp-accounting>=0.6,<0.7",
         "absl-py>=2.1,<3",
+        "tensorboard>=2.20",  # tf.summary scalars (epsilon, loss, lr) for TensorBoard
         "numpy>=1.26,<3",
     ],
     extras_require={

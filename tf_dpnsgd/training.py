@@ -253,6 +253,17 @@ class _DPTrainer:
       clipped = tf.cast(out.factors < 1.0, tf.float32)
       self._dp_clipped_tracker.update_state(clipped, sample_weight=ok_w)
 
+  def test_step(self, data):
+    """Keras' evaluation step, without the training-only DP diagnostics."""
+    logs = super().test_step(data)
+    hidden = {m.name for m in self._dp_trackers()}
+    return {k: v for k, v in logs.items() if k not in hidden}
+
+  def _dp_trackers(self):
+    return [m for m in (getattr(self, n, None) for n in
+                        ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker"))
+            if m is not None]
+
   @property
   def metrics(self):
     metrics = list(super().metrics)

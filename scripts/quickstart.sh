@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Main job: fresh virtual environment, install, then train DP-NSGD offline on
+# scikit-learn's handwritten digits (shipped with scikit-learn), printing
+# accuracy and epsilon per epoch; writes a SavedModel and privacy_report.json
+# under runs/quickstart/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+python -m pip install -q -e ".[experiments]"
+python -m tf_dpnsgd.launch.quickstart --model_dir=runs/quickstart --export_dir=runs/quickstart/export "$@"

@@ -1,0 +1,82 @@
+r"""Offline quickstart: DP-NSGD on scikit-learn's handwritten digits.
+
+Trains a small MLP with DP-NSGD on the 8x8 digits that ship
+with scikit-learn (1,437 training / 360 test images; no download), prints test
+accuracy and epsilon after every epoch, and writes a SavedModel (raw 0-16 pixel
+input, as `load_digits` gives) and `privacy_report.json`. About a minute on 2
+CPU cores.
+
+  python -m tf_dpnsgd.launch.quickstart --model_dir=runs/quickstart \
+      --export_dir=runs/quickstart/export
+
+Any flag of the experiment launchers applies (e.g. --optimizer=dpsgd
+--l2_norm_clip=1.0, --sampling=uniform, --target_epsilon=2).
+"""
+
+from __future__ import annotations
+
+from absl import app
+from absl import flags
+
+from tf_dpnsgd.launch import common
+
+common.set_cpu_safe_defaults()
+
+import keras  # noqa: E402
+
+from tf_dpnsgd import data as data_lib  # noqa: E402
+from tf_dpnsgd import export as export_lib  # noqa: E402
+
+common.define_flags(optimizer="dpnsgd", learning_rate=2.0, regularizer=0.01, momentum=0.0,
+                    target_epsilon=4.0, delta=1e-5, batch_size=128, epochs=40,
+                    sampling="poisson", seed=0, verbose=0)
+flags.DEFINE_float("test_fraction", 0.2, "Held-out fraction of the digits.")
+
+
+def digits_mlp(input_shape=(8, 8, 1), num_classes=10, width=32):
+  """A small tanh MLP: few parameters keep the noise norm (sigma * sqrt(d) / B) low."""
+  inputs = keras.Input(input_shape, name="image")
+  x = keras.layers.Flatten()(inputs)
+  x = keras.layers.Dense(width, activation="tanh", name="hidden")(x)
+  outputs = keras.layers.Dense(num_classes, name="logits")(x)
+  return keras.Model(inputs, outputs, name="digits_mlp")
+
+
+def print_epoch(epoch, logs):
+  eps = logs.get("epsilon")
+  eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"
+  print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
+        f"train acc {logs.get('accuracy', float('nan')):.4f}  "
+        f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
+
+
+def main(argv):
+  del argv
+  cfg = common.config_from_flags()
+  (x_train, y_train), (x_test, y_test) = data_lib.digits.load_digits(
+      test_fraction=flags.FLAGS.test_fraction, seed=0)
+  print(f"digits: {len(y_train)} train / {len(y_test)} test; optimizer {cfg.optimizer}", flush=True)
+
+  def export_fn(model, export_dir):
+    # Inputs of the export are raw digits pixels (0..16), scaled inside.
+    export_lib.export_image_classifier(model, export_dir, mean=(0.0,), std=(1.0,), scale=16.0)
+
+  report = common.run_experiment(
+      cfg, digits_mlp, (x_train, y_train), (x_test, y_test),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      export_fn=export_fn, print_fn=print_epoch, extra_report={"dataset": "sklearn digits"})
+  acc = report["final_metrics"].get("accuracy")
+  if report["private"]:
+    print(f"final test accuracy {acc:.4f} at ({report['epsilon']:.3f}, {report['delta']:g})-DP "
+          f"after {report['steps']} steps (noise multiplier {report['noise_multiplier']:.3f}, "
+          f"{report['sampling']} sampling, {report['accountant']} accountant)")
+  else:
+    print(f"final test accuracy {acc:.4f} (non-private)")
+  if cfg.model_dir:
+    print(f"privacy report: {cfg.model_dir}/privacy_report.json")
+  if cfg.export_dir:
+    print(f"SavedModel: {cfg.export_dir}")
+
+
+if __name__ == "__main__":
+  app.run(main)
