@@ -61,6 +61,8 @@ class ExperimentConfig:
   max_steps: Optional[int] = None
   sampling: str = "poisson"
   accountant: str = "rdp"
+  bound: str = "default"
+  conversion: str = "modern"
   lr_schedule: str = "constant"
   momentum: float = 0.0
   weight_decay: float = 0.0
@@ -130,6 +132,10 @@ def define_flags(**defaults) -> None:
   flags.DEFINE_enum("sampling", d["sampling"], SAMPLINGS,
                     "Batch sampling; the accounting follows it.")
   flags.DEFINE_enum("accountant", d["accountant"], ("rdp", "pld"), "dp-accounting accountant.")
+  flags.DEFINE_enum("bound", d["bound"], ("default", "paper", "min"),
+                    "RDP bound for --sampling=uniform: dp-accounting, the paper's, or their min.")
+  flags.DEFINE_enum("conversion", d["conversion"], ("modern", "classic"),
+                    "RDP to (epsilon, delta) conversion.")
   flags.DEFINE_enum("lr_schedule", d["lr_schedule"], schedules.SCHEDULES,
                     "constant | step (x0.1 at 50%, x0.01 at 75%) | cyclic (0.02..1.0).")
   flags.DEFINE_float("momentum", d["momentum"], "SGD momentum (dpnsgd/dpsgd/sgd).")
@@ -175,7 +181,8 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int) -> PrivacyPlan:
                      sampling=cfg.sampling, delta=cfg.delta, epochs=cfg.epochs,
                      noise_multiplier=cfg.noise_multiplier if cfg.private else None,
                      target_epsilon=cfg.target_epsilon if cfg.private else None,
-                     accountant=cfg.accountant, seed=cfg.seed) if cfg.private else None
+                     accountant=cfg.accountant, bound=cfg.bound, conversion=cfg.conversion,
+                     seed=cfg.seed) if cfg.private else None
 
 
 class _EpochRecorder(keras.callbacks.Callback):
