@@ -25,6 +25,7 @@ setup(
         "absl-py>=2.1,<3",
         "tensorboard>=2.20",  # tf.summary scalars (epsilon, loss, lr) for TensorBoard
         "numpy>=1.26,<3",
+        "scipy>=1.10",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3", "scikit-learn>=1.4", "matplotlib>=3.8",

@@ -5,14 +5,21 @@ Public API:
   * Models: :class:`DPModel`, :func:`make_private`; ``tf_dpnsgd.models.resnet20``.
   * Math: :mod:`tf_dpnsgd.transforms` (normalize/clip + sensitivity),
     :mod:`tf_dpnsgd.noise` (Gaussian mechanism).
+  * Privacy: :class:`PrivacyPlan` (sampler + noise + event + report from one
+    object), :mod:`tf_dpnsgd.accounting`, :mod:`tf_dpnsgd.sampling`,
+    :mod:`tf_dpnsgd.callbacks`.
 """
 
+from tf_dpnsgd import accounting
+from tf_dpnsgd import callbacks
 from tf_dpnsgd import data
 from tf_dpnsgd import export
 from tf_dpnsgd import models
 from tf_dpnsgd import noise
+from tf_dpnsgd import sampling
 from tf_dpnsgd import schedules
 from tf_dpnsgd import transforms
+from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.optimizers import DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin
 from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
 
@@ -20,5 +27,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "DPModel", "PrivateModelWrapper",
-    "make_private", "validate_layers", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
+    "make_private", "validate_layers", "PrivacyPlan", "accounting", "callbacks", "sampling", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
 ]

@@ -280,7 +280,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   callbacks = []
   tb_dir = os.path.join(cfg.model_dir, "tensorboard") if cfg.model_dir else None
   if plan:
-    callbacks += plan.callbacks(log_dir=tb_dir)
+    state = os.path.join(cfg.model_dir, "privacy_state.json") if cfg.model_dir else None
+    callbacks += plan.callbacks(log_dir=tb_dir, state_path=state)
   callbacks.append(_EpochRecorder(hist_path, history, print_fn))
   if cfg.max_steps:
     callbacks.append(_StopAtStep(total_steps))

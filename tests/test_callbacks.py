@@ -1,0 +1,156 @@
+"""Tests for tf_dpnsgd.callbacks: epsilon in logs/history/TensorBoard, budget stop, resume."""
+
+import glob
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpnsgd
+from tf_dpnsgd.callbacks import EPSILON_KEY, PrivacyBudgetExceededError, PrivacyCallback
+from tf_dpnsgd.plan import PrivacyPlan
+
+N, B = 64, 8  # 8 steps per epoch
+
+
+def toy_data(n=N, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, 3)).astype("float32")
+  return x, (x[:, 0] > 0).astype("int32")
+
+
+def make_model(plan, steps_per_execution=1, seed=0):
+  keras.utils.set_random_seed(seed)
+  inp = keras.Input((3,))
+  model = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=plan.training_noise_multiplier,
+                                          seed=seed),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution)
+  return model
+
+
+class Recorder(keras.callbacks.Callback):
+  """Records the batch logs the callbacks after PrivacyCallback (progress bar, History) see."""
+
+  def __init__(self):
+    super().__init__()
+    self.batch_eps = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.batch_eps.append((int(self.model.optimizer.iterations.numpy()), logs.get(EPSILON_KEY)))
+
+
+def read_scalars(log_dir, tag):
+  from tensorflow.core.util import event_pb2  # pylint: disable=g-direct-tensorflow-import
+  out = {}
+  for path in glob.glob(os.path.join(log_dir, "privacy", "events.out.tfevents.*")):
+    for record in tf.data.TFRecordDataset(path):
+      event = event_pb2.Event.FromString(record.numpy())
+      for value in event.summary.value:
+        if value.tag == tag:
+          assert value.metadata.plugin_data.plugin_name == "scalars"
+          out[event.step] = float(tf.make_ndarray(value.tensor))
+  return out
+
+
+def test_epsilon_in_logs_history_tensorboard_and_planned_stop(tmp_path):
+  plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=12,
+                     noise_multiplier=1.0, delta=1e-5, seed=1)
+  x, y = toy_data()
+  model = make_model(plan)
+  recorder = Recorder()
+  callbacks = plan.callbacks(log_dir=str(tmp_path)) + [recorder]
+  kwargs = plan.fit_kwargs()
+  assert kwargs["epochs"] * kwargs["steps_per_epoch"] == 16  # more than the 12 planned
+  history = model.fit(plan.dataset(x, y), callbacks=callbacks, verbose=0, **kwargs)
+
+  assert int(model.optimizer.iterations.numpy()) == 12  # stopped mid-epoch, at the plan
+  assert callbacks[0].stopped_by_budget
+  expected = {t: plan.epsilon(t) for t in range(1, 13)}
+  assert recorder.batch_eps == [(t, pytest.approx(expected[t])) for t in range(1, 13)]
+  assert history.history[EPSILON_KEY] == pytest.approx([expected[8], expected[12]])
+  assert max(history.history[EPSILON_KEY]) <= plan.epsilon()
+  assert read_scalars(str(tmp_path), EPSILON_KEY) == pytest.approx(expected)
+
+  # The budget is spent: another fit fails before taking any step.
+  with pytest.raises(PrivacyBudgetExceededError, match="No further step"):
+    model.fit(plan.dataset(x, y, start_step=12), callbacks=plan.callbacks(), verbose=0,
+              **plan.fit_kwargs(start_step=12))
+  assert int(model.optimizer.iterations.numpy()) == 12
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_budget_stop_never_crosses_the_budget(steps_per_execution):
+  plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="uniform", steps=100,
+                     noise_multiplier=2.0, delta=1e-5, seed=2)
+  budget = 0.5 * (plan.epsilon(10) + plan.epsilon(11))  # allows exactly 10 steps
+  x, y = toy_data()
+  model = make_model(plan, steps_per_execution=steps_per_execution)
+  callback = PrivacyCallback(plan, epsilon_budget=budget)
+  history = model.fit(plan.dataset(x, y), callbacks=[callback], epochs=5, steps_per_epoch=6,
+                      verbose=0)
+  taken = int(model.optimizer.iterations.numpy())
+  assert plan.epsilon(taken) <= budget < plan.epsilon(11)
+  assert taken == (10 if steps_per_execution == 1 else 9)  # executions of 3: 3, 6, 9 (+3 > 10)
+  assert callback.stopped_by_budget and callback.epsilon <= budget
+  assert all(e <= budget for e in history.history[EPSILON_KEY])
+
+
+def test_resumed_run_counts_all_steps(tmp_path):
+  plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=20,
+                     noise_multiplier=1.5, delta=1e-5, seed=3)
+  x, y = toy_data()
+  state = str(tmp_path / "privacy_state.json")
+  model = make_model(plan)
+  model.fit(plan.dataset(x, y), callbacks=plan.callbacks(state_path=state), epochs=1,
+            steps_per_epoch=5, verbose=0)
+  assert json.load(open(state))["steps"] == 5
+  path = str(tmp_path / "model.keras")
+  model.save(path)
+
+  restored = keras.models.load_model(path)
+  assert int(restored.optimizer.iterations.numpy()) == 5
+  assert int(restored.optimizer.noise_draws.numpy()) == 5
+  start = int(restored.optimizer.iterations.numpy())
+  callback = plan.callbacks(state_path=state)[0]
+  history = restored.fit(plan.dataset(x, y, start_step=start), callbacks=[callback], verbose=0,
+                         **plan.fit_kwargs(start_step=start))
+  assert int(restored.optimizer.iterations.numpy()) == 20
+  assert callback.steps == 20 and callback.epsilon == pytest.approx(plan.epsilon(20))
+  assert history.history[EPSILON_KEY][-1] == pytest.approx(plan.epsilon(20))
+  assert plan.epsilon(20) > plan.epsilon(15)  # counting only the resumed steps would be fewer
+  assert json.load(open(state))["steps"] == 20
+
+  # An optimizer that was not restored (step counter 0) cannot continue the recorded run.
+  fresh = make_model(plan)
+  with pytest.raises(ValueError, match="restore the optimizer"):
+    fresh.fit(plan.dataset(x, y, start_step=20), callbacks=plan.callbacks(state_path=state),
+              verbose=0, epochs=1, steps_per_epoch=1)
+
+
+def test_optimizer_must_add_the_planned_noise():
+  plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=5,
+                     noise_multiplier=1.0, delta=1e-5, seed=1)
+  other = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=5,
+                      noise_multiplier=0.5, delta=1e-5, seed=1)
+  x, y = toy_data()
+  model = make_model(other)
+  with pytest.raises(ValueError, match="differs from the plan"):
+    model.fit(plan.dataset(x, y), callbacks=plan.callbacks(), verbose=0, **plan.fit_kwargs())
+  assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_callback_arguments():
+  plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=5,
+                     noise_multiplier=1.0, delta=1e-5, seed=1)
+  with pytest.raises(TypeError, match="PrivacyPlan"):
+    PrivacyCallback({"sigma": 1.0})
+  with pytest.raises(ValueError, match="epsilon_budget"):
+    PrivacyCallback(plan, epsilon_budget=-1.0)
+  with pytest.raises(ValueError, match="update_freq"):
+    PrivacyCallback(plan, update_freq="step")

@@ -1,0 +1,103 @@
+"""Tests for tf_dpnsgd.plan: one object yields the sampler, sigma, event and report."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tf_dpnsgd
+from tf_dpnsgd import accounting
+from tf_dpnsgd import sampling
+from tf_dpnsgd.plan import PrivacyPlan
+
+BASE = dict(dataset_size=20000, batch_size=200, delta=1e-5, seed=4)
+
+
+def test_plan_with_sigma_and_epochs():
+  plan = PrivacyPlan(sampling="poisson", epochs=2.5, noise_multiplier=1.3, **BASE)
+  assert plan.num_steps == 250  # floor(2.5 * 20000 / 200)
+  assert plan.training_noise_multiplier == 1.3
+  assert isinstance(plan.sampler, sampling.PoissonSampler) and plan.sampler.seed == 4
+  report = plan.report()
+  assert report.steps == 250 and report.target_epsilon is None
+  assert report.epsilon == pytest.approx(accounting.compute_epsilon(
+      20000, 200, 1.3, 1e-5, "poisson", steps=250).epsilon)
+  assert plan.report(10).epsilon < report.epsilon
+  # The event, composed in dp-accounting directly, gives the report's epsilon.
+  ledger = plan.spec.make_accountant()
+  ledger.compose(plan.dp_event())
+  assert ledger.get_epsilon(1e-5) == pytest.approx(report.epsilon, rel=1e-12)
+
+
+@pytest.mark.parametrize("sampling_name,kwargs", [
+    ("poisson", {}), ("shuffle", {"accountant": "pld"}),
+    ("uniform", {"bound": "min", "conversion": "classic"})])
+def test_plan_with_target_epsilon_calibrates(sampling_name, kwargs):
+  plan = PrivacyPlan(sampling=sampling_name, steps=300, target_epsilon=3.0, **BASE, **kwargs)
+  sigma = plan.training_noise_multiplier
+  report = plan.report()
+  assert report.noise_multiplier == sigma
+  assert report.epsilon <= 3.0
+  assert report.target_epsilon == 3.0 and report.calibration_tolerance == plan.calibration_tolerance
+  assert accounting.epsilon_for(plan.spec, sigma - plan.calibration_tolerance, 300, 1e-5) > 3.0
+  assert plan.sampler.sampling == sampling_name
+
+
+def test_plan_round_trips_with_its_seed():
+  plan = PrivacyPlan(sampling="uniform", steps=10, noise_multiplier=2.0,
+                     **{**BASE, "seed": None})
+  assert isinstance(plan.seed, int)  # drawn once and recorded
+  again = PrivacyPlan.from_json(plan.to_json())
+  assert again == plan
+  np.testing.assert_array_equal(again.sampler.indices(3), plan.sampler.indices(3))
+
+
+def test_check_optimizer():
+  plan = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.1, **BASE)
+  plan.check_optimizer(tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01, noise_multiplier=1.1))
+  with pytest.raises(ValueError, match="differs from the plan"):
+    plan.check_optimizer(tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                         noise_multiplier=1.0))
+  with pytest.raises(ValueError, match="microbatches"):
+    plan.check_optimizer(tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                         noise_multiplier=1.1, num_microbatches=2))
+
+
+def test_shuffle_plan_may_finish_its_last_epoch_for_free():
+  # Shuffling is accounted per epoch, so steps 201..300 cost nothing beyond step 201:
+  # the planned budget stop lets the last started epoch finish.
+  plan = PrivacyPlan(sampling="shuffle", steps=201, noise_multiplier=1.0, **BASE)
+  assert plan.epsilon(300) == plan.epsilon(201) < plan.epsilon(301)
+  assert plan.step_accountant.max_steps(plan.epsilon()) == 300
+
+
+def test_fit_kwargs():
+  plan = PrivacyPlan(sampling="shuffle", epochs=2.5, noise_multiplier=1.0, **BASE)
+  assert plan.fit_kwargs() == {"epochs": 3, "steps_per_epoch": 100, "initial_epoch": 0}
+  assert plan.fit_kwargs(start_step=130)["initial_epoch"] == 1
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(epochs=1), "exactly one of `steps` and `epochs`"),
+    (dict(steps=None), "exactly one of `steps` and `epochs`"),
+    (dict(target_epsilon=1.0), "exactly one of `noise_multiplier`"),
+    (dict(noise_multiplier=None), "exactly one of `noise_multiplier`"),
+    (dict(noise_multiplier=0.0), "noise_multiplier"),
+    (dict(batch_size=30000), "q = B/N"),
+    (dict(delta=1.5), "delta"),
+    (dict(sampling="uniform", accountant="pld"), "no PLD analysis"),
+    (dict(sampling="poisson", bound="paper"), "WITHOUT replacement"),
+    (dict(steps=0), "zero steps"),
+    (dict(sampling="uniform", max_batch_size=300), "Poisson sampling only"),
+])
+def test_plan_rejects_bad_input(change, match):
+  fields = dict(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
+  fields.update(change)
+  with pytest.raises(ValueError, match=match):
+    PrivacyPlan(**fields)
+
+
+def test_plan_is_frozen():
+  plan = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.noise_multiplier = 2.0

@@ -1,0 +1,109 @@
+"""Tests for the `python -m tf_dpnsgd.privacy` command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from tf_dpnsgd import accounting
+from tf_dpnsgd.launch import privacy
+
+CIFAR = ["--dataset_size=50000", "--batch_size=1000", "--epochs=100", "--delta=1e-5"]
+
+
+@pytest.fixture
+def parse():
+  def _parse(args):
+    privacy.FLAGS.unparse_flags()
+    privacy.FLAGS(["privacy"] + args)
+    return privacy.FLAGS
+  yield _parse
+  privacy.FLAGS.unparse_flags()
+
+
+def run_main(parse, args, capsys):
+  parse(args)
+  privacy.main(["privacy"])
+  return capsys.readouterr()
+
+
+def test_json_output_matches_the_library(parse, capsys):
+  out = run_main(parse, CIFAR + ["--noise_multiplier=3.6", "--sampling=poisson", "--json"], capsys)
+  d = json.loads(out.out)
+  expected = accounting.compute_epsilon(50000, 1000, 3.6, 1e-5, "poisson", epochs=100)
+  assert d["epsilon"] == pytest.approx(expected.epsilon)
+  assert d["noise_multiplier"] == 3.6 and d["steps"] == 5000
+  assert d["optimal_order"] == expected.optimal_order
+  assert d["neighboring_relation"] == "ADD_OR_REMOVE_ONE"
+  assert set(d["assumptions"]) >= {"sampling", "sensitivity", "accountant", "conversion"}
+
+
+def test_steps_from_epochs_is_floor(parse, capsys):
+  out = run_main(parse, ["--dataset_size=67349", "--batch_size=1000", "--epochs=10",
+                         "--delta=1e-5", "--noise_multiplier=0.635", "--sampling=poisson",
+                         "--json"], capsys)
+  assert json.loads(out.out)["steps"] == 673
+
+
+def test_target_epsilon_calibrates(parse, capsys):
+  out = run_main(parse, CIFAR + ["--target_epsilon=2", "--sampling=poisson",
+                                 "--conversion=classic", "--json"], capsys)
+  d = json.loads(out.out)
+  assert d["epsilon"] <= 2.0 and d["target_epsilon"] == 2.0
+  assert round(d["noise_multiplier"], 1) == 3.6  # the paper's CIFAR-10 statement
+  assert d["conversion"] == "classic" and d["optimal_order"] > 1
+
+
+def test_readable_statement(parse, capsys):
+  out = run_main(parse, ["--dataset_size=60000", "--batch_size=256", "--steps=1000",
+                         "--delta=1e-5", "--noise_multiplier=1.1", "--sampling=shuffle"], capsys)
+  assert "epsilon = " in out.out and "NO amplification" in out.out
+  assert "replace one example" in out.out
+  for sampling in accounting.SAMPLINGS:
+    assert f"    {sampling}" in out.out  # the same run under each sampling, for contrast
+
+
+@pytest.mark.parametrize("args,match", [
+    (CIFAR + ["--noise_multiplier=1", "--sampling=uniform", "--accountant=pld"], "no PLD analysis"),
+    (CIFAR + ["--noise_multiplier=1", "--sampling=poisson", "--bound=paper"], "WITHOUT"),
+    (CIFAR + ["--noise_multiplier=0", "--sampling=poisson"], "noise_multiplier"),
+    (CIFAR + ["--noise_multiplier=-2", "--sampling=poisson"], "noise_multiplier"),
+    (["--dataset_size=100", "--batch_size=200", "--steps=10", "--delta=1e-5",
+      "--noise_multiplier=1", "--sampling=poisson"], "q = B/N"),
+    (["--dataset_size=100", "--batch_size=10", "--steps=10", "--delta=1",
+      "--noise_multiplier=1", "--sampling=poisson"], "delta"),
+    (["--dataset_size=100", "--batch_size=10", "--epochs=0.05", "--delta=1e-5",
+      "--noise_multiplier=1", "--sampling=poisson"], "0 steps"),
+    (["--dataset_size=60000", "--batch_size=6000", "--steps=10", "--delta=1e-5",
+      "--noise_multiplier=30", "--sampling=uniform", "--bound=paper"], "B < 0.1 N"),
+])
+def test_bad_input_exits_with_a_message_and_no_number(parse, capsys, args, match):
+  with pytest.raises(SystemExit) as info:
+    run_main(parse, args + ["--json"], capsys)
+  assert info.value.code == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert match in captured.err
+
+
+def test_flags_require_exactly_one_of_each_pair(parse):
+  with pytest.raises(flags.IllegalFlagValueError):
+    parse(CIFAR + ["--steps=10", "--noise_multiplier=1", "--sampling=poisson"])
+  with pytest.raises(flags.IllegalFlagValueError):
+    parse(CIFAR + ["--noise_multiplier=1", "--target_epsilon=1", "--sampling=poisson"])
+  with pytest.raises(flags.IllegalFlagValueError):
+    parse(CIFAR + ["--noise_multiplier=1", "--sampling=bootstrap"])
+
+
+def test_module_runs_as_a_program():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  ok = subprocess.run(
+      [sys.executable, "-m", "tf_dpnsgd.privacy"] + CIFAR
+      + ["--noise_multiplier=1.2", "--sampling=uniform", "--bound=min", "--json"],
+      capture_output=True, text=True, env=env, timeout=120)
+  assert ok.returncode == 0, ok.stderr
+  d = json.loads(ok.stdout.strip().splitlines()[-1])
+  assert d["bound"] == "min" and d["sampling"] == "uniform" and d["epsilon"] > 0

@@ -1,0 +1,397 @@
+"""Batch samplers that name the dp-accounting event they realise.
+
+A privacy claim is only as good as the match between how batches were drawn
+and how epsilon was computed. Each sampler here draws batches one way and
+returns, from :meth:`Sampler.dp_event`, the event that
+:mod:`tf_dpnsgd.accounting` accounts for exactly that way, so a sampler
+cannot be paired with the wrong accountant.
+
+==============  =========================================  ==================================
+sampler         batch of step ``t``                         element fed to ``model.fit``
+==============  =========================================  ==================================
+PoissonSampler  each example independently w.p. ``q=B/N``   ``(x, y, {dp_mask,
+                                                            dp_denominator})``, padded to a
+                                                            static ``max_batch_size``
+UniformSampler  a uniformly random ``B``-subset, without    ``(x, y)``, exactly ``B`` rows
+                replacement, fresh every step
+ShuffleSampler  batch ``t mod (N//B)`` of epoch             ``(x, y)``, exactly ``B`` rows
+                ``t // (N//B)``'s random permutation
+==============  =========================================  ==================================
+
+Determinism and resumption: the batch of step ``t`` is a pure function of
+``(seed, t)`` (a NumPy ``Generator`` seeded with ``[seed, tag, t]``, or
+``[seed, tag, epoch]`` for the permutation), so ``dataset(x, y,
+start_step=k)`` continues the stream of an interrupted run exactly; take
+``k = int(model.optimizer.iterations)`` from the restored checkpoint.
+Streams are reproducible for a fixed NumPy version (NumPy does not promise
+``Generator`` streams across versions).
+
+Within a step no example is dropped or duplicated: indices are distinct, and
+a Poisson batch larger than ``max_batch_size`` raises
+:class:`PoissonOverflowError` instead of being truncated (truncation would
+change the mechanism; its probability per step is below
+``overflow_probability``, 1e-12 by default). Shuffling uses
+``N // B`` full batches per epoch; the ``N mod B`` examples left over are
+a different random set each epoch (reported by :attr:`ShuffleSampler.unused_per_epoch`).
+
+Privacy note: amplification by subsampling assumes the batch composition is
+secret. Keep the sampler seed as private as the noise seed (``seed=None``
+draws one from the OS).
+
+References:
+  Abadi et al. (2016), Mironov, Talwar, Zhang (2019): Poisson subsampling.
+  Wang, Balle, Kasiviswanathan (2019): sampling without replacement.
+  Chua et al. (2024), "How Private are DP-SGD Implementations?": shuffled
+  batches vs. Poisson accounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Iterator, Optional
+
+import numpy as np
+import tensorflow as tf
+from scipy import stats
+
+from tf_dpnsgd import accounting
+from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd.training import DP_DENOMINATOR_KEY, DP_MASK_KEY
+
+# Domain tags keep the samplers' streams apart from each other for one seed.
+_TAGS = {"poisson": 0x9015, "uniform": 0x0F1E, "shuffle": 0x5F1E}
+
+
+class PoissonOverflowError(RuntimeError):
+  """A Poisson batch exceeded the static maximum; nothing is dropped, training stops."""
+
+
+def poisson_max_batch_size(dataset_size: int, sampling_rate: float,
+                           overflow_probability: float = 1e-12) -> int:
+  """Smallest ``m`` with ``P(Binomial(N, q) > m) <= overflow_probability``.
+
+  >>> poisson_max_batch_size(50000, 0.02) > 1000
+  True
+  """
+  if not 0.0 < overflow_probability < 1.0:
+    raise ValueError(f"`overflow_probability` must be in (0, 1); got {overflow_probability!r}.")
+  if not 0.0 < sampling_rate <= 1.0:
+    raise ValueError(f"`sampling_rate` must be in (0, 1]; got {sampling_rate!r}.")
+  if sampling_rate == 1.0:
+    return int(dataset_size)
+  m = int(stats.binom.isf(overflow_probability, dataset_size, sampling_rate))
+  m = max(0, min(m, dataset_size))
+  while m < dataset_size and stats.binom.sf(m, dataset_size, sampling_rate) > overflow_probability:
+    m += 1
+  while m > 0 and stats.binom.sf(m - 1, dataset_size, sampling_rate) <= overflow_probability:
+    m -= 1
+  return max(m, 1)
+
+
+def _leading_size(structure) -> int:
+  sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(structure)}
+  if len(sizes) != 1:
+    raise ValueError(
+        f"All arrays must have the same number of examples; got sizes {sorted(sizes)}.")
+  return sizes.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Common part of the samplers (frozen, validated).
+
+  Attributes:
+    dataset_size: ``N``.
+    batch_size: ``B`` (the expected batch size ``qN`` for Poisson).
+    seed: non-negative int; ``None`` draws one from the OS (recorded here).
+  """
+
+  dataset_size: int
+  batch_size: int
+  seed: Optional[int] = None
+
+  sampling: ClassVar[str] = ""
+
+  def __post_init__(self):
+    if self.sampling not in accounting.SAMPLINGS:
+      raise TypeError("Use PoissonSampler, UniformSampler or ShuffleSampler (or make_sampler).")
+    accounting.validate_dataset_and_batch(self.dataset_size, self.batch_size)
+    if self.seed is None:
+      object.__setattr__(self, "seed", noise_lib.random_seed())
+    elif isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+        or self.seed < 0:
+      raise ValueError(f"`seed` must be a non-negative integer or None; got {self.seed!r}.")
+    object.__setattr__(self, "seed", int(self.seed))
+
+  # --- accounting --------------------------------------------------------
+  @property
+  def sampling_rate(self) -> float:
+    return self.batch_size / self.dataset_size
+
+  @property
+  def neighboring_relation(self):
+    return accounting.NEIGHBORING_RELATIONS[self.sampling]
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """``N // B`` (an epoch is nominal for Poisson and uniform sampling)."""
+    return self.dataset_size // self.batch_size
+
+  def accounting_spec(self, accountant="rdp", bound="default", conversion="modern",
+                      orders=None) -> accounting.AccountingSpec:
+    """The accounting assumptions that match this sampler."""
+    return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling, accountant,
+                                bound, conversion, orders)
+
+  def dp_event(self, noise_multiplier: float, steps: int = 1, accountant: str = "rdp"):
+    """The dp-accounting event of ``steps`` steps drawn by this sampler.
+
+    The noise multiplier inside is in the convention of ``accountant`` (see
+    :meth:`tf_dpnsgd.accounting.AccountingSpec.accountant_noise_multiplier`);
+    compose it into an accountant made by ``accounting_spec(...).make_accountant()``.
+    """
+    return self.accounting_spec(accountant).composed_event(noise_multiplier, steps)
+
+  # --- index streams -----------------------------------------------------
+  def _rng(self, counter: int) -> np.random.Generator:
+    return np.random.default_rng([self.seed, _TAGS[self.sampling], int(counter)])
+
+  def indices(self, step: int) -> np.ndarray:
+    """Sorted distinct example indices of step ``step`` (a pure function of seed and step)."""
+    raise NotImplementedError
+
+  def _check_step(self, step) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"`step` must be a non-negative integer; got {step!r}.")
+    return int(step)
+
+  def _step_range(self, start_step, num_steps):
+    start_step = self._check_step(start_step)
+    if num_steps is None:
+      return iter(_count(start_step))
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
+        or num_steps < 0:
+      raise ValueError(f"`num_steps` must be a non-negative integer or None; got {num_steps!r}.")
+    return iter(range(start_step, start_step + int(num_steps)))
+
+  # --- batches -----------------------------------------------------------
+  def _element_indices(self, step: int):
+    """``(indices, mask_or_None)`` for the element of step ``step``."""
+    return self.indices(step), None
+
+  def _check_data(self, x, y):
+    for name, part in (("x", x), ("y", y)):
+      n = _leading_size(part)
+      if n != self.dataset_size:
+        raise ValueError(f"This sampler was built for N = {self.dataset_size} examples, but "
+                         f"`{name}` has {n}. Accounting with the wrong N is wrong accounting.")
+
+  def numpy_batches(self, x, y, start_step: int = 0,
+                    num_steps: Optional[int] = None) -> Iterator[tuple]:
+    """Yields the batches of steps ``start_step, start_step + 1, ...`` as NumPy structures.
+
+    ``x`` and ``y`` are arrays or nested structures of arrays with ``N`` rows.
+    Infinite when ``num_steps`` is None (pass ``steps_per_epoch`` to ``fit``).
+    Poisson elements carry ``dp_denominator`` with shape ``[1]`` here (Keras'
+    generator adapter rejects scalars) and shape ``[]`` in :meth:`dataset`.
+    """
+    self._check_data(x, y)
+    for step in self._step_range(start_step, num_steps):
+      idx, mask = self._element_indices(step)
+      xb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], x)
+      yb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], y)
+      if mask is None:
+        yield xb, yb
+      else:
+        # Keras' generator adapter needs rank >= 1; the train step reshapes it to a scalar.
+        denominator = np.full([1], self.denominator, np.float32)
+        yield xb, yb, {DP_MASK_KEY: mask, DP_DENOMINATOR_KEY: denominator}
+
+  def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
+              prefetch: int = 2) -> tf.data.Dataset:
+    """A ``tf.data.Dataset`` of the batches from step ``start_step`` on (see :meth:`numpy_batches`).
+
+    Every element has a static shape (``max_batch_size`` rows for Poisson),
+    so the train function is traced once. Each iteration of the dataset
+    starts again at ``start_step``: pass ``steps_per_epoch`` to ``fit`` (Keras
+    then keeps one iterator across epochs), e.g. via
+    :meth:`tf_dpnsgd.plan.PrivacyPlan.fit_kwargs`.
+    """
+    self._check_data(x, y)
+    self._step_range(start_step, num_steps)  # validates now rather than inside tf.data
+    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
+    rows = self._rows_per_element
+
+    def index_stream():
+      # Every iteration of the dataset restarts at `start_step` (deterministic), so a peek
+      # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
+      for step in self._step_range(start_step, num_steps):
+        idx, mask = self._element_indices(step)
+        yield idx.astype(np.int64), (np.ones(rows, bool) if mask is None else mask)
+
+    indices = tf.data.Dataset.from_generator(
+        index_stream, output_signature=(tf.TensorSpec([rows], tf.int64),
+                                        tf.TensorSpec([rows], tf.bool)))
+    with_mask = self.sampling == "poisson"
+    denominator = float(self.denominator) if with_mask else None
+
+    def gather(idx, mask):
+      xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
+      yb = tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t)
+      if not with_mask:
+        return xb, yb
+      return xb, yb, {DP_MASK_KEY: mask,
+                      DP_DENOMINATOR_KEY: tf.constant(denominator, tf.float32)}
+
+    return indices.map(gather, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
+
+  @property
+  def _rows_per_element(self) -> int:
+    return self.batch_size
+
+  @property
+  def denominator(self) -> float:
+    """What the noised sum is divided by: ``B`` (``qN`` for Poisson)."""
+    return float(self.batch_size)
+
+
+def _count(start):
+  step = start
+  while True:
+    yield step
+    step += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampler(Sampler):
+  """Poisson sampling: step ``t`` includes each example independently with ``q = B / N``.
+
+  Batches are padded to the static ``max_batch_size`` (padding rows repeat
+  index 0 and carry ``dp_mask = False``; the DP train step gives them exactly
+  zero weight) and the noised sum is divided by the expected batch size
+  ``qN`` (``dp_denominator``), a data-independent constant, so the division
+  is post-processing.
+
+  Attributes:
+    max_batch_size: static padded size; ``None`` picks the smallest ``m`` with
+      ``P(Binomial(N, q) > m) <= overflow_probability``.
+    overflow_probability: per-step probability of :class:`PoissonOverflowError`.
+
+  Formal guarantee: realises ``PoissonSampledDpEvent(q, Gaussian)`` under
+  add/remove-one neighbours; a batch that does not fit raises (it is never
+  truncated or split).
+  """
+
+  max_batch_size: Optional[int] = None
+  overflow_probability: float = 1e-12
+
+  sampling: ClassVar[str] = "poisson"
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.max_batch_size is None:
+      object.__setattr__(self, "max_batch_size", poisson_max_batch_size(
+          self.dataset_size, self.sampling_rate, self.overflow_probability))
+    elif isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) \
+        or not 1 <= self.max_batch_size <= self.dataset_size:
+      raise ValueError(f"`max_batch_size` must be an integer in [1, N={self.dataset_size}]; "
+                       f"got {self.max_batch_size!r}.")
+
+  @property
+  def denominator(self) -> float:
+    """``qN``, the expected batch size."""
+    return self.sampling_rate * self.dataset_size
+
+  @property
+  def _rows_per_element(self) -> int:
+    return self.max_batch_size
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    include = self._rng(step).random(self.dataset_size) < self.sampling_rate
+    return np.flatnonzero(include)
+
+  def padded_indices(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices[max_batch_size], mask[max_batch_size])``; padding is index 0, mask False.
+
+    Raises:
+      PoissonOverflowError: the batch has more than ``max_batch_size`` examples.
+    """
+    idx = self.indices(step)
+    if idx.size > self.max_batch_size:
+      raise PoissonOverflowError(
+          f"Poisson batch of step {step} has {idx.size} examples, more than max_batch_size "
+          f"= {self.max_batch_size}. Examples are never dropped silently; raise "
+          "max_batch_size (or lower overflow_probability) and resume from this step.")
+    padded = np.zeros(self.max_batch_size, np.int64)
+    padded[:idx.size] = idx
+    mask = np.zeros(self.max_batch_size, bool)
+    mask[:idx.size] = True
+    return padded, mask
+
+  def _element_indices(self, step: int):
+    return self.padded_indices(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformSampler(Sampler):
+  """Fixed-size sampling without replacement: every step a fresh uniform ``B``-subset.
+
+  Formal guarantee: realises ``SampledWithoutReplacementDpEvent(N, B,
+  Gaussian)`` under replace-one neighbours (see :mod:`tf_dpnsgd.accounting`
+  for the factor 2 in the sensitivity).
+  """
+
+  sampling: ClassVar[str] = "uniform"
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    return np.sort(self._rng(step).choice(self.dataset_size, self.batch_size, replace=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSampler(Sampler):
+  """Epoch permutations cut into ``N // B`` disjoint batches (what ``model.fit`` does).
+
+  No amplification by subsampling is proven for this order; the accountant
+  counts each epoch as one full-batch Gaussian mechanism under replace-one.
+  """
+
+  sampling: ClassVar[str] = "shuffle"
+
+  @property
+  def unused_per_epoch(self) -> int:
+    """``N mod B`` examples (a random set, new every epoch) are not in any batch of an epoch."""
+    return self.dataset_size % self.batch_size
+
+  def permutation(self, epoch: int) -> np.ndarray:
+    return self._rng(self._check_step(epoch)).permutation(self.dataset_size)
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    epoch, position = divmod(step, self.steps_per_epoch)
+    perm = self._cached_permutation(epoch)
+    return np.sort(perm[position * self.batch_size:(position + 1) * self.batch_size])
+
+  def _cached_permutation(self, epoch: int) -> np.ndarray:
+    cache = self.__dict__.get("_perm_cache")
+    if cache is None or cache[0] != epoch:
+      cache = (epoch, self.permutation(epoch))
+      self.__dict__["_perm_cache"] = cache  # a memo of a pure function; the sampler stays frozen
+    return cache[1]
+
+
+SAMPLERS = {cls.sampling: cls for cls in (PoissonSampler, UniformSampler, ShuffleSampler)}
+
+
+def make_sampler(sampling: str, dataset_size: int, batch_size: int, seed: Optional[int] = None,
+                 **kwargs) -> Sampler:
+  """The sampler for ``sampling`` (``"poisson"``, ``"uniform"`` or ``"shuffle"``)."""
+  if sampling not in SAMPLERS:
+    raise ValueError(f"`sampling` must be one of {tuple(SAMPLERS)}; got {sampling!r}.")
+  return SAMPLERS[sampling](dataset_size=dataset_size, batch_size=batch_size, seed=seed, **kwargs)
+
+
+__all__ = ["PoissonOverflowError", "PoissonSampler", "SAMPLERS", "Sampler", "ShuffleSampler",
+           "UniformSampler", "make_sampler", "poisson_max_batch_size"]
