@@ -287,8 +287,10 @@ class DPModel(_DPTrainer, keras.Model):
 
   Args:
     inputs, outputs, name: as the functional ``keras.Model``.
-    per_example: engine for per-example gradients (``"auto"``,
-      ``"vectorized"``; see :mod:`tf_dpnsgd.per_example`).
+    per_example: engine for per-example gradients: ``"auto"`` (layer-wise when
+      every trainable layer has a rule, else vectorized; logged),
+      ``"layerwise"``, ``"vectorized"`` or ``"microbatch"``; see
+      :mod:`tf_dpnsgd.per_example` and ``docs/per_example.md``.
     physical_batch_size: process each logical batch in chunks of at most this
       many examples (same result and privacy, less memory); noise is still
       added once per logical batch.

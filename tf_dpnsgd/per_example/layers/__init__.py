@@ -1,0 +1,24 @@
+"""Built-in layer-wise rules; importing this package registers them.
+
+=============================================  =================  ==================================
+layer type                                     module             per-example norm of
+=============================================  =================  ==================================
+``keras.layers.Dense``                         :mod:`.dense`      kernel (ghost or materialised), bias
+``keras.layers.EinsumDense``                   :mod:`.dense`      kernel (ghost or materialised), bias
+``keras.layers.Conv1D`` / ``Conv2D``           :mod:`.conv`       kernel from input patches, bias
+``keras.layers.Embedding``                     :mod:`.embedding`  rows gathered per example
+``keras.layers.ReversibleEmbedding`` (also     :mod:`.embedding`  lookup rows, reverse projection,
+keras-hub's)                                                      tied weights (exact cross term)
+``keras_hub.layers.PositionEmbedding``         :mod:`.embedding`  the rows of the used positions
+``keras.layers.LayerNormalization``            :mod:`.normalization`  gamma, beta (materialised)
+``keras.layers.GroupNormalization``            :mod:`.normalization`  gamma, beta (materialised)
+=============================================  =================  ==================================
+
+Composite layers without variables of their own (``MultiHeadAttention``,
+keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``, functional
+sub-models and backbones) need no rule: the engine visits their sublayers.
+"""
+
+from tf_dpnsgd.per_example.layers import conv, dense, embedding, normalization
+
+__all__ = ["conv", "dense", "embedding", "normalization"]

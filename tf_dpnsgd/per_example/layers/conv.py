@@ -1,0 +1,295 @@
+"""Layer-wise rules for ``keras.layers.Conv1D`` and ``keras.layers.Conv2D``.
+
+The rule recomputes the convolution as Keras does (causal padding included),
+probes the pre-activation output ``z`` and applies the activation. Per example
+the kernel gradient is ``sum_t patch[i, t] (x) dz[i, t]`` over output positions
+``t``, where ``patch[i, t]`` is the ``kh * kw * c_in`` receptive field of
+position ``t`` (built by :func:`conv_patches` from strided slices: strides,
+dilation, "same"/"valid"/"causal" padding). The norm is then the ghost norm or
+the materialised one, whichever is cheaper for ``T = H' W'`` vs ``kh kw c_in``
+and ``c_out`` (:func:`~..factored.use_ghost`): early layers of a CIFAR ResNet
+(T = 1024) materialise, small-spatial wide layers use the ghost norm.
+
+Not covered (the layer counts as unsupported): ``groups > 1``, Conv3D,
+transposed, depthwise and separable convolutions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from tf_dpnsgd.per_example import factored
+from tf_dpnsgd.per_example import registry as registry_lib
+
+
+def _dim(x, axis):
+  d = x.shape[axis]
+  return d if d is not None else tf.shape(x)[axis]
+
+
+def _maximum(a, b):
+  if isinstance(a, int) and isinstance(b, int):
+    return max(a, b)
+  return tf.maximum(a, b)
+
+
+def conv_output_size(size, kernel: int, stride: int, dilation: int, padding: str):
+  """Spatial output size of a convolution (TF semantics)."""
+  if padding == "same":
+    return -(-size // stride)
+  effective = (kernel - 1) * dilation + 1
+  return (size - effective) // stride + 1
+
+
+def _patch_indices(in_sizes, out_sizes, kernel_size, strides, dilation_rate):
+  """Flat input index of every (output position, kernel offset), ``[T * K]`` (numpy)."""
+  grids = np.meshgrid(*[np.arange(o) for o in out_sizes], indexing="ij")
+  offsets = np.meshgrid(*[np.arange(k) for k in kernel_size], indexing="ij")
+  flat = np.zeros([int(np.prod(out_sizes)), int(np.prod(kernel_size))], np.int64)
+  for axis in range(len(in_sizes)):
+    pos = (grids[axis].reshape(-1, 1) * strides[axis]
+           + offsets[axis].reshape(1, -1) * dilation_rate[axis])
+    flat = flat * in_sizes[axis] + pos
+  return flat.reshape(-1)
+
+
+def conv_patches(x, kernel_size, strides, dilation_rate, padding: str):
+  """Receptive fields of a channels-last convolution, ``[B, T, prod(kernel_size) * C]``.
+
+  The patch of output position ``t`` lists its inputs in the order of the
+  kernel's leading axes (``kh, kw, c_in`` for 2D), so that
+  ``patches[i]^T dz[i]`` reshapes to the kernel's shape. With static spatial
+  sizes the patches are one ``tf.gather`` of precomputed indices (several
+  times faster on CPU than strided slices); otherwise strided slices.
+
+  Args:
+    x: ``[B, *spatial, C]`` input (already padded for "causal").
+    kernel_size, strides, dilation_rate: per spatial axis.
+    padding: "same" or "valid" (TF's convention: extra "same" padding goes
+      after).
+  """
+  rank = len(kernel_size)
+  sizes = [_dim(x, 1 + k) for k in range(rank)]
+  outs = [conv_output_size(s, k, st, d, padding)
+          for s, k, st, d in zip(sizes, kernel_size, strides, dilation_rate)]
+  if padding == "same":
+    pads = [[0, 0]]
+    for s, o, k, st, d in zip(sizes, outs, kernel_size, strides, dilation_rate):
+      total = _maximum((o - 1) * st + (k - 1) * d + 1 - s, 0)
+      pads.append([total // 2, total - total // 2])
+    pads.append([0, 0])
+    if any(not (isinstance(p, int) and p == 0) for pair in pads for p in pair):
+      x = tf.pad(x, pads)
+  channels = x.shape[-1]
+  batch = tf.shape(x)[0]
+  num_offsets = math.prod(kernel_size)
+  padded = [x.shape[1 + k] for k in range(rank)]
+  if all(isinstance(d, int) for d in padded + outs):
+    if num_offsets == 1 and all(s == 1 for s in strides) and padded == outs:
+      return tf.reshape(x, [batch, -1, channels])  # 1x1, stride 1: the input itself
+    index = _patch_indices(padded, outs, kernel_size, strides, dilation_rate)
+    flat = tf.reshape(x, [batch, -1, channels])
+    patches = tf.gather(flat, index, axis=1)
+    return tf.reshape(patches, [batch, -1, num_offsets * channels])
+  pieces = []
+  for offset in itertools.product(*[range(k) for k in kernel_size]):
+    index = [slice(None)]
+    for k, o, st, d in zip(offset, outs, strides, dilation_rate):
+      index.append(slice(k * d, k * d + (o - 1) * st + 1, st))
+    index.append(slice(None))
+    pieces.append(x[tuple(index)])
+  patches = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=-1)
+  return tf.reshape(patches, [batch, -1, num_offsets * channels])
+
+
+# Upper bound on the patches (or Gram matrices) built at once: the batch is
+# processed in chunks of at most this many bytes of temporaries.
+CHUNK_BYTES = 16 * 2**20
+
+
+class ConvOuter:
+  """Per-example kernel gradients of a convolution, kept as (input, output gradient).
+
+  ``g_i = sum_t patch[i, t] (x) dz[i, t]``. The norms use the ghost identity or
+  the materialised gradient (:func:`~..factored.use_ghost` on ``T`` output
+  positions, ``p = prod(kernel_size) * c_in``, ``q = c_out``), with patches
+  built in chunks of the batch (at most :data:`CHUNK_BYTES` at a time). What
+  is kept for the weighted sum is the smaller of the materialised per-example
+  gradients (``p q`` per example) and the input plus output gradient (then the
+  sum is one convolution backprop-filter of ``(x, h * dz)``, as in a plain
+  step).
+
+  Args:
+    x: ``[B, *spatial, c_in]`` channels-last input (padded for "causal").
+    g: ``[B, *spatial_out, c_out]`` gradient of the summed loss w.r.t. the
+      pre-activation output.
+    kernel_size, strides, dilation_rate, padding: the convolution's.
+  """
+
+  def __init__(self, x, g, kernel_size, strides, dilation_rate, padding):
+    if any(d is None for d in list(x.shape[1:]) + list(g.shape[1:])):
+      raise registry_lib.UnsupportedLayerError(
+          f"Convolution inputs need static spatial sizes for the layer-wise engine; got "
+          f"{x.shape} -> {g.shape}. Use fixed-size inputs or per_example='vectorized'.")
+    self.x = tf.cast(x, tf.float32)
+    self.g = tf.cast(g, tf.float32)
+    self.kernel_size = tuple(kernel_size)
+    self.strides = tuple(strides)
+    self.dilation_rate = tuple(dilation_rate)
+    self.padding = padding
+    self.c_in, self.c_out = int(x.shape[-1]), int(g.shape[-1])
+    self.p = math.prod(self.kernel_size) * self.c_in
+    self.q = self.c_out
+    self.positions = math.prod(int(d) for d in g.shape[1:-1])
+    self.ghost = bool(factored.use_ghost(self.positions, self.p, self.q))
+    kept_per_example = math.prod(int(d) for d in x.shape[1:]) + self.positions * self.q
+    self.keep_materialized = (not self.ghost) and self.p * self.q <= kept_per_example
+    self._materialized = None  # [B, q, p]
+
+  @property
+  def kernel_shape(self):
+    return list(self.kernel_size) + [self.c_in, self.c_out]
+
+  def _chunk(self, x, g, materialize):
+    patches = conv_patches(x, self.kernel_size, self.strides, self.dilation_rate, self.padding)
+    b = tf.reshape(g, [tf.shape(g)[0], -1, self.q])
+    if not materialize:
+      aa = tf.matmul(patches, patches, transpose_b=True)
+      bb = tf.matmul(b, b, transpose_b=True)
+      return tf.reduce_sum(aa * bb, axis=[1, 2]), None
+    per_example = tf.matmul(b, patches, transpose_a=True)  # [n, q, p]
+    return tf.reduce_sum(tf.square(per_example), axis=[1, 2]), per_example
+
+  def _run(self, materialize, keep):
+    """Squared norms (and per-example ``[B, q, p]`` gradients if ``keep``), in chunks.
+
+    Chunks are unrolled (static batch) and chained with control dependencies
+    so that one chunk's temporaries are freed before the next is built; a
+    ``tf.while_loop`` here held far more memory. Patches are built only once
+    ``dz`` exists: otherwise the executor may build every layer's patches
+    right after the forward pass and hold them all through the backward pass.
+    """
+    bytes_per_example = 4 * (self.positions * self.p
+                             + (self.p * self.q if materialize else 2 * self.positions ** 2))
+    chunk = max(1, CHUNK_BYTES // bytes_per_example)
+    batch = self.x.shape[0]
+    bounds = [(0, None)] if batch is None or batch <= chunk else [
+        (start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
+    sqs, per_examples = [], []
+    previous = [self.g]
+    for start, stop in bounds:
+      with tf.control_dependencies(previous):
+        x = self.x if stop is None else self.x[start:stop]
+        g = self.g if stop is None else self.g[start:stop]
+        sq, per_example = self._chunk(x, g, materialize)
+      sqs.append(sq)
+      per_examples.append(per_example)
+      previous = [sq]
+    sq = sqs[0] if len(sqs) == 1 else tf.concat(sqs, axis=0)
+    if not keep:
+      return sq, None
+    return sq, per_examples[0] if len(per_examples) == 1 else tf.concat(per_examples, axis=0)
+
+  def squared_norms(self) -> tf.Tensor:
+    sq, self._materialized = self._run(materialize=not self.ghost, keep=self.keep_materialized)
+    return sq
+
+  def _to_kernel(self, qp, leading):
+    pq = tf.linalg.matrix_transpose(qp)
+    return tf.reshape(pq, leading + self.kernel_shape)
+
+  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+    keep = factors > 0
+    if self._materialized is not None:
+      g = factored.zero_dropped_units(self._materialized, keep)
+      return self._to_kernel(tf.tensordot(factors, g, axes=[[0], [0]]), [])
+    x = factored.zero_dropped_units(self.x, keep)
+    hg = factored.zero_dropped_units(self.g, keep) * tf.reshape(
+        factors, [-1] + [1] * (len(self.g.shape) - 1))
+    kernel = tf.zeros(self.kernel_shape, tf.float32)
+    with tf.GradientTape() as tape:  # backprop-filter of the convolution, as a plain step
+      tape.watch(kernel)
+      z = tf.nn.convolution(x, kernel, strides=self.strides, padding=self.padding.upper(),
+                            dilations=self.dilation_rate)
+    return tape.gradient(z, kernel, output_gradients=hg)
+
+  def per_unit(self) -> tf.Tensor:
+    per_example = self._materialized
+    if per_example is None:
+      per_example = self._run(materialize=True, keep=True)[1]
+    return self._to_kernel(per_example, [tf.shape(per_example)[0]])
+
+  def to_units(self, num_units: int) -> factored.Materialized:
+    g = self.per_unit()
+    g = tf.reshape(g, tf.concat([[num_units, -1], tf.shape(g)[1:]], axis=0))
+    return factored.Materialized(tf.reduce_sum(g, axis=1))
+
+
+def _conv_unsupported(layer):
+  why = registry_lib.common_unsupported(layer)
+  if why:
+    return why
+  if getattr(layer, "groups", 1) != 1:
+    return f"grouped convolution (groups={layer.groups})"
+  if layer.rank not in (1, 2):
+    return f"{layer.rank}D convolution"
+  return None
+
+
+def _conv_variables(layer):
+  return [layer.kernel, layer.bias if layer.use_bias else None]
+
+
+def _causal_padding(layer):
+  left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
+  if layer.data_format == "channels_last":
+    return [[0, 0], [left, 0], [0, 0]]
+  return [[0, 0], [0, 0], [left, 0]]
+
+
+def _conv_capture(layer, call, args, kwargs, probe):
+  inputs = registry_lib.bind_call_arguments(call, args, kwargs)["inputs"]
+  padding = layer.padding
+  if padding == "causal":
+    inputs = ops.pad(inputs, _causal_padding(layer))
+    padding = "valid"
+  bias_shape = None
+  z = ops.conv(inputs, layer.kernel, strides=list(layer.strides), padding=padding,
+               dilation_rate=layer.dilation_rate, data_format=layer.data_format)
+  if layer.use_bias:
+    if layer.data_format == "channels_last":
+      bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
+    else:
+      bias_shape = (1, layer.filters) + (1,) * layer.rank
+    bias = ops.reshape(layer.bias, bias_shape)
+    z = ops.add(z, bias)
+  z = probe(z)
+
+  def finish(grads):
+    (dz,) = grads
+    x, g = tf.cast(inputs, tf.float32), tf.cast(dz, tf.float32)
+    if layer.data_format == "channels_first":
+      perm = [0] + list(range(2, layer.rank + 2)) + [1]
+      x, g = tf.transpose(x, perm), tf.transpose(g, perm)
+    out = [(layer.kernel, ConvOuter(x, g, layer.kernel_size, layer.strides,
+                                    layer.dilation_rate, padding))]
+    if layer.use_bias:
+      out.append((layer.bias,
+                  factored.Materialized(
+                      registry_lib.per_example_bias_grads(dz, layer.bias, bias_shape))))
+    return out
+
+  return (layer.activation(z) if layer.activation is not None else z), finish
+
+
+CONV_RULE = registry_lib.LayerRule(variables=_conv_variables, capture=_conv_capture,
+                                   unsupported=_conv_unsupported)
+
+registry_lib.DEFAULT_REGISTRY.register(keras.layers.Conv1D, CONV_RULE)
+registry_lib.DEFAULT_REGISTRY.register(keras.layers.Conv2D, CONV_RULE)

@@ -1,0 +1,81 @@
+"""The loop engine: one unit at a time (an example, or a microbatch).
+
+For each unit ``u`` (in a ``tf.while_loop``): the gradient ``g_u`` of the
+unit's mean loss with an ordinary tape, its norm, ``h_u``, and ``h_u g_u``
+added to a running sum. Works for any model an ordinary training step works
+for (no pfor conversion, no layer rules) and holds only one unit's gradient at
+a time; it is the slowest engine (``U`` small steps per batch) and the
+reference the other engines are tested against.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example.base import EngineOutput
+from tf_dpnsgd.per_example.vectorized import batch_size_of, check_microbatches
+
+
+def _slice(x, start, size):
+  return tf.nest.map_structure(lambda t: t[start:start + size], x)
+
+
+@tf.autograph.experimental.do_not_convert
+def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
+                      variables=None) -> EngineOutput:
+  """Transformed sum of per-unit gradients, one unit per loop iteration.
+
+  Args:
+    model, loss_fn, x, y, transform, mask, num_microbatches: as
+      :func:`tf_dpnsgd.per_example.vectorized.vectorized_engine`.
+    variables: variables to differentiate (default ``model.trainable_variables``).
+
+  Returns:
+    :class:`EngineOutput`.
+  """
+  if variables is None:
+    variables = model.trainable_variables
+  if mask is not None and num_microbatches:
+    raise ValueError("A padding mask (Poisson sampling) cannot be combined with "
+                     "num_microbatches: use per-example units.")
+  batch = batch_size_of(x)
+  with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
+    units = tf.identity(num_microbatches or batch)
+  size = batch // units
+
+  x_spec = tf.nest.map_structure(
+      lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
+  pred_dtypes = [t.dtype for t in tf.nest.flatten(model.compute_output_spec(x_spec))]
+
+  def new_ta(dtype):
+    return tf.TensorArray(dtype, size=units, infer_shape=False)
+
+  def body(u, acc, ta_losses, ta_norms, ta_factors, ta_preds):
+    x_u, y_u = _slice(x, u * size, size), _slice(y, u * size, size)
+    with tf.GradientTape() as tape:
+      y_pred = model(x_u, training=True)
+      losses = loss_fn(y_u, y_pred)
+      loss = tf.reduce_mean(tf.cast(losses, tf.float32))
+    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = [tf.convert_to_tensor(g)[None] for g in grads]  # IndexedSlices -> dense, [1, ...]
+    m = None if mask is None else mask[u:u + 1]
+    contribution, norms, factors = transforms.transform_and_sum(grads, transform, m)
+    acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, contribution)]
+    preds = [ta.write(u, p) for ta, p in zip(ta_preds, tf.nest.flatten(y_pred))]
+    return (u + 1, acc, ta_losses.write(u, tf.cast(tf.reshape(losses, [-1]), tf.float32)),
+            ta_norms.write(u, norms), ta_factors.write(u, factors), preds)
+
+  init = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
+          new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
+          [new_ta(d) for d in pred_dtypes])
+  _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
+      lambda u, *_: u < units, body, init, parallel_iterations=1)
+  y_spec = model.compute_output_spec(x_spec)
+  preds = [tf.ensure_shape(ta.concat(), (None,) + tuple(spec.shape[1:]))
+           for ta, spec in zip(ta_p, tf.nest.flatten(y_spec))]
+  y_pred = tf.nest.pack_sequence_as(y_spec, preds)
+  return EngineOutput(summed=acc, norms=tf.reshape(ta_n.concat(), [-1]),
+                      factors=tf.reshape(ta_f.concat(), [-1]),
+                      losses=tf.reshape(ta_l.concat(), [-1]), y_pred=y_pred)
