@@ -233,3 +233,22 @@ def test_resnet20_has_paper_size_and_trains():
   x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
   hist = model.fit(x, rng.integers(0, 10, 8), batch_size=8, epochs=1, verbose=0)
   assert np.isfinite(hist.history["loss"][0])
+
+
+def test_padded_rows_do_not_count_in_metrics_or_loss():
+  """Poisson batches carry padding rows: metrics and loss cover the real rows only."""
+  x, y = data(16)
+  real = np.arange(16) < 10
+  y_noisy = y.copy()
+  y_noisy[~real] = 1 - y_noisy[~real]  # padding rows would change accuracy if counted
+  model = tf_dpnsgd.make_private(mlp(seed=3))
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.0 + 1e-9, l2_norm_clip=1.0,
+                                          noise_multiplier=0.0), loss=XENT, metrics=["accuracy"])
+  ds = tf.data.Dataset.from_tensors(
+      (x, y_noisy, {"dp_mask": real, "dp_denominator": np.float32(10.0)}))
+  hist = model.fit(ds, epochs=1, verbose=0)
+  logits = model.predict(x[real], verbose=0)
+  expected_acc = np.mean(np.argmax(logits, 1) == y[real])
+  expected_loss = float(np.mean(XENT.call(y[real], logits)))
+  assert hist.history["accuracy"][0] == pytest.approx(expected_acc, abs=1e-6)
+  assert hist.history["loss"][0] == pytest.approx(expected_loss, rel=1e-4)

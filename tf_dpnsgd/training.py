@@ -228,8 +228,11 @@ class _DPTrainer:
                                       local_denominator=local)
 
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
-    metric_weights = None if mask is None else tf.cast(mask, tf.float32)
-    return self.compute_metrics(x, y, out.y_pred, sample_weight=metric_weights)
+    y_pred = out.y_pred
+    if mask is not None:
+      # Keras' compiled `metrics` ignore sample weights: drop the padded rows instead.
+      x, y, y_pred = tf.nest.map_structure(lambda t: tf.boolean_mask(t, mask), (x, y, y_pred))
+    return self.compute_metrics(x, y, y_pred, sample_weight=None)
 
   def _update_dp_trackers(self, out, mask, reg_loss, num_microbatches):
     """Logging only (not privatized, like the training loss in tf-privacy/Opacus)."""
