@@ -35,6 +35,15 @@ flags.DEFINE_integer("groups", 16, "GroupNorm groups.")
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training images (debug).")
 
 
+def planned_dataset_size(flag_values) -> int:
+  """Training-set size for these flags (used by the sweep's --dry_run)."""
+  n = 50000
+  if flag_values.data_dir:
+    (_, y_train), _ = cifar_lib.load_cifar10(flag_values.data_dir)
+    n = len(y_train)
+  return min(n, flag_values.max_train_examples or n)
+
+
 def pixels_to_float(dataset):
   def cast(x, y, *rest):
     return (tf.cast(x, tf.float32), y) + tuple(rest)

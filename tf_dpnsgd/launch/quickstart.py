@@ -42,6 +42,12 @@ def digits_mlp(input_shape=(8, 8, 1), num_classes=10, width=32):
   return keras.Model(inputs, outputs, name="digits_mlp")
 
 
+def planned_dataset_size(flag_values) -> int:
+  """Training-set size for these flags (used by the sweep's --dry_run)."""
+  (_, y_train), _ = data_lib.digits.load_digits(test_fraction=flag_values.test_fraction, seed=0)
+  return len(y_train)
+
+
 def print_epoch(epoch, logs):
   eps = logs.get("epsilon")
   eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"

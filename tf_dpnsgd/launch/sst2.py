@@ -38,6 +38,14 @@ flags.DEFINE_string("data_dir", None, "GLUE folder (SST-2/train.tsv, dev.tsv); e
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training sentences.")
 
 
+def planned_dataset_size(flag_values) -> int:
+  """Training-set size for these flags (used by the sweep's --dry_run)."""
+  n = 67349  # GLUE SST-2 train
+  if flag_values.data_dir:
+    n = len(glue.load_sst2(flag_values.data_dir)[1])
+  return min(n, flag_values.max_train_examples or n)
+
+
 def tokenize(preprocessor, sentences, batch=256):
   """Runs the keras-hub preprocessor once over all sentences -> dict of int arrays."""
   parts = []

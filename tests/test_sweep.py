@@ -1,0 +1,231 @@
+"""The sweep CLI: grid parsing, resume checks, heatmaps, and a tiny MNIST-format sweep end to
+end (subprocesses of the real launcher on a tiny .npz written here)."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tf_dpnsgd import accounting
+from tf_dpnsgd import plots
+from tf_dpnsgd.launch import sweep
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
+
+
+def write_tiny_mnist(path, n_train=200, n_test=100, seed=0):
+  """A learnable MNIST-format .npz: each class lights its own 8x4 block of a noisy image."""
+  rng = np.random.default_rng(seed)
+
+  def make(n):
+    y = rng.integers(0, 10, n)
+    x = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+    for i, k in enumerate(y):
+      r, c = divmod(int(k), 5)
+      x[i, 4 + 12 * r:12 + 12 * r, 1 + 5 * c:5 + 5 * c] = 255
+    return x, y.astype(np.uint8)
+
+  (xt, yt), (xs, ys) = make(n_train), make(n_test)
+  np.savez(path, x_train=xt, y_train=yt, x_test=xs, y_test=ys)
+  return path
+
+
+def run_sweep(*args):
+  out = subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.sweep", *args],
+                       capture_output=True, text=True, timeout=900, env=ENV)
+  if out.returncode != 0:
+    raise AssertionError(f"sweep failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+  return out.stdout
+
+
+# ---------------------------------------------------------------------------
+# Grid.
+# ---------------------------------------------------------------------------
+def test_axis_parsing_and_errors():
+  a = sweep.Axis.parse("learning_rate=0.05, 0.1,3.2")
+  assert (a.name, a.values, a.condition) == ("learning_rate", ("0.05", "0.1", "3.2"), None)
+  assert sweep.Axis.parse("--l2_norm_clip=1,10@optimizer=dpsgd").condition == ("optimizer", "dpsgd")
+  for bad in ("learning_rate", "learning_rate=", "lr=1,1", "model_dir=a,b", "x=1@optimizer",
+              "1x=2"):
+    with pytest.raises(sweep.SweepError):
+      sweep.Axis.parse(bad)
+
+
+def test_expand_grid_with_conditional_and_virtual_axes():
+  axes = [sweep.Axis.parse(t) for t in (
+      "optimizer=dpnsgd,dpsgd", "target_epsilon=2,8",
+      "learning_rate=0.1,0.2@optimizer=dpnsgd", "regularizer=1e-3,1e-2,1@optimizer=dpnsgd",
+      "effective_lr=0.1,0.2@optimizer=dpsgd", "l2_norm_clip=0.1,10@optimizer=dpsgd")]
+  cells = sweep.expand_grid(axes)
+  assert len(cells) == 2 * (2 * 3) + 2 * (2 * 2)          # per epsilon: 6 DP-NSGD + 4 DP-SGD
+  assert len({c.name for c in cells}) == len(cells)
+  dpsgd = [c for c in cells if c.get("optimizer") == "dpsgd"]
+  assert all(c.get("regularizer") is None for c in dpsgd)
+  cell = next(c for c in dpsgd if c.get("effective_lr") == "0.2" and c.get("l2_norm_clip") == "10")
+  assert cell.launcher_flags({}) == ["--optimizer=dpsgd", "--target_epsilon=2",
+                                     "--learning_rate=0.02", "--l2_norm_clip=10"]
+  # Panels: one figure per optimizer, one panel per epsilon, lr x r (3 wide) or lr*c x c.
+  opts = sweep.SweepOptions(base="mnist", sweep_dir="/unused", axes=tuple(axes))
+  panels = sweep.arrange_panels(opts, cells)
+  shapes = {(p.figure, p.label): (len(p.y_values), len(p.x_values), p.x_axis, p.y_axis)
+            for p in panels}
+  assert shapes == {
+      ("optimizer=dpnsgd", "epsilon = 2"): (2, 3, "regularizer", "learning_rate"),
+      ("optimizer=dpnsgd", "epsilon = 8"): (2, 3, "regularizer", "learning_rate"),
+      ("optimizer=dpsgd", "epsilon = 2"): (2, 2, "l2_norm_clip", "effective_lr"),
+      ("optimizer=dpsgd", "epsilon = 8"): (2, 2, "l2_norm_clip", "effective_lr")}
+
+
+@pytest.mark.parametrize("texts,match", [
+    (["lr=1,2", "lr=3,4"], "twice"),
+    (["r=1,2@optimizer=dpnsgd"], "not an unconditional"),
+    (["optimizer=dpnsgd", "r=1@optimizer=dpsgd"], "takes only"),
+])
+def test_bad_grids_raise(texts, match):
+  with pytest.raises(sweep.SweepError, match=match):
+    sweep.expand_grid([sweep.Axis.parse(t) for t in texts])
+
+
+def test_effective_lr_needs_a_clip():
+  cell = sweep.expand_grid([sweep.Axis.parse("effective_lr=1")])[0]
+  with pytest.raises(sweep.SweepError, match="l2_norm_clip"):
+    cell.launcher_flags({})
+  assert cell.launcher_flags({"l2_norm_clip": "4"}) == ["--learning_rate=0.25"]
+
+
+def test_resume_refuses_a_cell_started_with_other_flags(tmp_path):
+  axes = (sweep.Axis.parse("learning_rate=0.1,0.2"),)
+  old = sweep.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
+                           fixed=(("epochs", "1"),))
+  new = sweep.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
+                           fixed=(("epochs", "2"),))
+  cell = sweep.expand_grid(axes)[0]
+  directory = sweep.cell_dir(old, cell)
+  os.makedirs(directory)
+  with open(os.path.join(directory, "cell.json"), "w") as f:
+    json.dump(sweep._cell_record(old, cell), f)
+  sweep.check_cell_record(old, cell, directory)           # same flags: fine
+  with pytest.raises(sweep.SweepError, match="different settings"):
+    sweep.check_cell_record(new, cell, directory)
+
+
+def test_fresh_seeds_and_explicit_seeds_conflict():
+  with pytest.raises(sweep.SweepError, match="cell_seeds"):
+    sweep.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),))
+  sweep.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),),
+                     cell_seeds="base")
+
+
+# ---------------------------------------------------------------------------
+# Heatmap figure.
+# ---------------------------------------------------------------------------
+def test_heatmap_annotations_and_image(tmp_path):
+  values = np.array([[0.912, 0.5, np.nan], [0.8, 0.75, 0.7]])
+  panels = [plots.HeatmapPanel("epsilon = 2", values, ["1e-3", "1e-2", "1"], ["0.1", "0.2"]),
+            plots.HeatmapPanel("epsilon = 8", values + 0.05, ["1e-3", "1e-2", "1"],
+                               ["0.1", "0.2"])]
+  path = str(tmp_path / "h.png")
+  drawn = plots.heatmap(path, panels, "regularizer r", "learning rate", title="t")
+  assert drawn[0] == [["91.2", "50.0", "n/a"], ["80.0", "75.0", "70.0"]]
+  assert drawn[1][0][0] == "96.2"
+  meta = plots.read_annotations(path)
+  assert [p["annotations"] for p in meta["panels"]] == drawn
+  assert meta["panels"][1]["y_ticks"] == ["0.1", "0.2"]
+  from PIL import Image
+  with Image.open(path) as im:
+    pixels = np.asarray(im.convert("L"), dtype=float)
+  assert pixels.shape[0] > 100 and pixels.shape[1] > 300 and pixels.std() > 10
+  with pytest.raises(ValueError, match="do not match"):
+    plots.HeatmapPanel("bad", values, ["a"], ["b"])
+
+
+# ---------------------------------------------------------------------------
+# End to end: 2x2 grid of the MNIST launcher, results, figures, report, resume; dry run.
+# ---------------------------------------------------------------------------
+def test_sweep_end_to_end_and_resume(tmp_path):
+  data = write_tiny_mnist(tmp_path / "tiny.npz")
+  sweep_dir = tmp_path / "sweep"
+  args = ["--base=mnist", f"--fixed=data_path={data}", "--fixed=epochs=2",
+          "--fixed=batch_size=50", "--fixed=width=8", "--fixed=target_epsilon=4",
+          "--grid=learning_rate=0.5,2", "--grid=regularizer=0.01,1",
+          f"--sweep_dir={sweep_dir}", "--curves=best"]
+  out = run_sweep(*args)
+  assert "4 cells: 0 finished (skipped), 4 to run." in out
+
+  with open(sweep_dir / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 4 and all(r["status"] == "finished" for r in rows)
+  acc = {(r["learning_rate"], r["regularizer"]): float(r["final_accuracy"]) for r in rows}
+  assert set(acc) == {("0.5", "0.01"), ("0.5", "1"), ("2", "0.01"), ("2", "1")}
+  for r in rows:
+    assert 0.0 <= float(r["final_accuracy"]) <= 1.0
+    assert 0 < float(r["epsilon"]) <= 4.0 + 1e-9 and int(r["steps"]) == 8  # floor(2*200/50)
+    assert float(r["best_val_accuracy"]) >= float(r["final_accuracy"]) - 1e-9
+
+  # The heatmap shows the CSV's accuracies, in a 2 (lr) x 2 (r) grid.
+  pngs = [p for p in os.listdir(sweep_dir) if p.startswith("heatmap_")]
+  assert pngs == ["heatmap_learning_rate_x_regularizer.png"]
+  png = sweep_dir / pngs[0]
+  assert os.path.getsize(png) > 5000
+  meta = plots.read_annotations(str(png))
+  (panel,) = meta["panels"]
+  assert panel["y_ticks"] == ["0.5", "2"] and panel["x_ticks"] == ["0.01", "1"]
+  assert panel["annotations"] == [[f"{100 * acc[(lr, r)]:.1f}" for r in ("0.01", "1")]
+                                  for lr in ("0.5", "2")]
+  assert os.path.getsize(sweep_dir / "curves.png") > 5000
+
+  # Report: robustness recomputed here from the CSV, privacy orderings.
+  with open(sweep_dir / "report.json") as f:
+    report = json.load(f)
+  (entry,) = report["panels"]
+  best = max(acc.values())
+  rob = entry["robustness"]
+  assert rob["best"] == pytest.approx(100 * best)
+  assert rob["near_best"] == sum(100 * v >= 100 * best - 2 - 1e-9 for v in acc.values())
+  best_lr = max(acc, key=acc.get)[0]
+  row = [acc[(best_lr, r)] for r in ("0.01", "1")]
+  assert rob["spread_at_best_row"] == pytest.approx(100 * (max(row) - min(row)))
+  priv = entry["privacy"]
+  single, naive = priv["single_run"]["epsilon"], priv["naive_composition"]["epsilon"]
+  assert single <= 4.0 + 1e-9 < naive
+  assert [r["mean_trials"] for r in priv["random_search"]] == pytest.approx([4.0, 4.0, 4.0])
+  assert all(single < r["epsilon"] for r in priv["random_search"])
+  assert "naive composition" in out and "random search" in out
+
+  # Resume: drop one cell's report (as if interrupted before it finished); only it reruns.
+  cells = sorted(os.listdir(sweep_dir / "cells"))
+  victim = cells[1]
+  os.remove(sweep_dir / "cells" / victim / "privacy_report.json")
+  mtimes = {c: os.path.getmtime(sweep_dir / "cells" / c / "privacy_report.json")
+            for c in cells if c != victim}
+  out = run_sweep(*args)
+  assert "4 cells: 3 finished (skipped), 1 to run." in out
+  assert f"] {victim} ..." in out
+  for c, t in mtimes.items():
+    assert os.path.getmtime(sweep_dir / "cells" / c / "privacy_report.json") == t
+    with open(sweep_dir / "cells" / c / "log.txt") as f:
+      assert f.read().count("\n=== ") == 1
+  assert os.path.exists(sweep_dir / "cells" / victim / "privacy_report.json")
+
+  # Dry run of a grid over epsilon: planned epsilon matches the accountant for the printed sigma.
+  out = run_sweep("--base=mnist", f"--fixed=data_path={data}", "--fixed=epochs=2",
+                  "--fixed=batch_size=50", "--grid=target_epsilon=1,4",
+                  "--grid=learning_rate=0.5,2", "--dry_run", f"--sweep_dir={tmp_path}/dry")
+  with open(tmp_path / "dry" / "plan.json") as f:
+    plan = json.load(f)
+  assert len(plan["cells"]) == 4
+  for c in plan["cells"]:
+    assert c["steps"] == 8 and c["dataset_size"] == 200
+    expected = accounting.compute_epsilon(200, 50, c["noise_multiplier"], 1e-5, "poisson",
+                                          steps=8).epsilon
+    assert c["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert c["epsilon"] <= float(c["target_epsilon"]) + 1e-9
+    assert c["cell"] in out
+  assert not os.path.exists(tmp_path / "dry" / "cells")
+  assert {p["panel"] for p in plan["panels"]} == {"epsilon = 1", "epsilon = 4"}
+  assert all(math.isfinite(p["privacy"]["naive_composition"]["epsilon"]) for p in plan["panels"])
