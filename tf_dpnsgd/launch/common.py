@@ -330,6 +330,15 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   return report
 
 
+def print_epoch(epoch: int, logs: dict) -> None:
+  """One line per epoch: loss, train/test accuracy and epsilon spent."""
+  eps = logs.get("epsilon")
+  eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"
+  print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
+        f"train acc {logs.get('accuracy', float('nan')):.4f}  "
+        f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
+
+
 def set_cpu_safe_defaults() -> None:
   """oneDNN crashes per-example attention gradients under ``tf.vectorized_map`` on CPU."""
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")

@@ -107,14 +107,6 @@ def convnet(input_shape=(28, 28, 1), num_classes=10, width=32):
                      name="mnist_convnet")
 
 
-def print_epoch(epoch, logs):
-  eps = logs.get("epsilon")
-  eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"
-  print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
-        f"train acc {logs.get('accuracy', float('nan')):.4f}  "
-        f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
-
-
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -130,7 +122,7 @@ def main(argv):
   report = common.run_experiment(
       cfg, lambda: build(width=FLAGS.width), train, test,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      export_fn=export_fn, print_fn=print_epoch,
+      export_fn=export_fn, print_fn=common.print_epoch,
       extra_report={"dataset": "mnist", "model": FLAGS.model, "width": FLAGS.width})
   acc = report["final_metrics"].get("accuracy", float("nan"))
   print(f"final test accuracy {acc:.4f}; epsilon {report['epsilon']:.4g} after "

@@ -48,14 +48,6 @@ def planned_dataset_size(flag_values) -> int:
   return len(y_train)
 
 
-def print_epoch(epoch, logs):
-  eps = logs.get("epsilon")
-  eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"
-  print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
-        f"train acc {logs.get('accuracy', float('nan')):.4f}  "
-        f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
-
-
 def main(argv):
   del argv
   cfg = common.config_from_flags()
@@ -70,7 +62,7 @@ def main(argv):
   report = common.run_experiment(
       cfg, digits_mlp, (x_train, y_train), (x_test, y_test),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      export_fn=export_fn, print_fn=print_epoch, extra_report={"dataset": "sklearn digits"})
+      export_fn=export_fn, print_fn=common.print_epoch, extra_report={"dataset": "sklearn digits"})
   acc = report["final_metrics"].get("accuracy")
   if report["private"]:
     print(f"final test accuracy {acc:.4f} at ({report['epsilon']:.3f}, {report['delta']:g})-DP "
