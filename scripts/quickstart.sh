@@ -13,4 +13,6 @@ fi
 source "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[experiments]"
+# Each invocation is a fresh run (a kept --model_dir would resume a finished run).
+rm -rf runs/quickstart
 python -m tf_dpnsgd.launch.quickstart --model_dir=runs/quickstart --export_dir=runs/quickstart/export "$@"

@@ -153,3 +153,11 @@ def test_all_config_flagfiles_are_valid_flags():
                          [os.path.join(root, "configs", sub, f) for f in files],
                          capture_output=True, text=True, timeout=300, env=ENV)
     assert out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_existing_export_dir_fails_before_training(tmp_path):
+  (tmp_path / "export").mkdir()
+  out = launch("tf_dpnsgd.launch.quickstart", "--epochs=1", f"--model_dir={tmp_path}/run",
+               f"--export_dir={tmp_path}/export", check=False)
+  assert out.returncode != 0 and "Checked before training" in out.stderr
+  assert not (tmp_path / "run" / "history.json").exists()

@@ -16,8 +16,6 @@ from absl import flags
 
 from tf_dpnsgd.launch import common
 
-common.set_cpu_safe_defaults()
-
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

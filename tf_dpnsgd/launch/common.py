@@ -240,6 +240,9 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   """
   x_train, y_train = train
   n = len(y_train)
+  if cfg.export_dir and os.path.exists(cfg.export_dir):
+    raise FileExistsError(f"--export_dir={cfg.export_dir} exists; choose a new one (an export "
+                          "is never written over another). Checked before training.")
   plan = make_plan(cfg, n)
   if cfg.seed is not None:
     keras.utils.set_random_seed(cfg.seed)
@@ -337,11 +340,6 @@ def print_epoch(epoch: int, logs: dict) -> None:
   print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
         f"train acc {logs.get('accuracy', float('nan')):.4f}  "
         f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
-
-
-def set_cpu_safe_defaults() -> None:
-  """oneDNN crashes per-example attention gradients under ``tf.vectorized_map`` on CPU."""
-  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def as_numpy_labels(y) -> np.ndarray:

@@ -24,8 +24,6 @@ from absl import flags
 
 from tf_dpnsgd.launch import common
 
-common.set_cpu_safe_defaults()
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 

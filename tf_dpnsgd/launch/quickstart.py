@@ -20,8 +20,6 @@ from absl import flags
 
 from tf_dpnsgd.launch import common
 
-common.set_cpu_safe_defaults()
-
 import keras  # noqa: E402
 
 from tf_dpnsgd import data as data_lib  # noqa: E402
