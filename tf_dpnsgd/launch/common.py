@@ -25,6 +25,7 @@ publish the ``export_dir`` SavedModel and the privacy report.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -307,6 +308,10 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     data = augment_fn(data)
   if start_step < total_steps:
     model.fit(data, validation_data=test, callbacks=callbacks, verbose=cfg.verbose, **fit_kwargs)
+  # Release the generator-backed stream now, not at interpreter shutdown (where TF
+  # logs "Error occurred when finalizing GeneratorDataset iterator").
+  del data
+  gc.collect()
 
   steps = int(model.optimizer.iterations.numpy())
   final = model.evaluate(*test, verbose=0, return_dict=True)
