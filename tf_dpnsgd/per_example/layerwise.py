@@ -63,7 +63,8 @@ from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import layers as _builtin_rules  # noqa: F401  (registers rules)
 from tf_dpnsgd.per_example.base import EngineOutput
-from tf_dpnsgd.per_example.vectorized import batch_size_of, check_microbatches
+from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
+                                              check_microbatches)
 
 _log = logging.getLogger(__name__)
 _MISSING = object()
@@ -346,9 +347,7 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
       registered layer used in a way its rule cannot represent.
   """
   cov = check_coverage(model, registry)
-  if mask is not None and num_microbatches:
-    raise ValueError("A padding mask (Poisson sampling) cannot be combined with "
-                     "num_microbatches: use per-example units.")
+  check_mask_and_microbatches(mask, num_microbatches)
   batch = batch_size_of(x)
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
     batch = tf.identity(batch)

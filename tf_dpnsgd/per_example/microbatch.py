@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example.base import EngineOutput
-from tf_dpnsgd.per_example.vectorized import batch_size_of, check_microbatches
+from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
+                                              check_microbatches)
 
 
 def _slice(x, start, size):
@@ -37,9 +38,7 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
   """
   if variables is None:
     variables = model.trainable_variables
-  if mask is not None and num_microbatches:
-    raise ValueError("A padding mask (Poisson sampling) cannot be combined with "
-                     "num_microbatches: use per-example units.")
+  check_mask_and_microbatches(mask, num_microbatches)
   batch = batch_size_of(x)
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
     units = tf.identity(num_microbatches or batch)

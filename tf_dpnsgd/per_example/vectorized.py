@@ -50,6 +50,13 @@ def check_microbatches(batch_size: tf.Tensor, num_microbatches):
               "(use drop_remainder batches, or a batch size that is a multiple).")]
 
 
+def check_mask_and_microbatches(mask, num_microbatches):
+  """Raises ``ValueError`` for a padding mask combined with microbatches."""
+  if mask is not None and num_microbatches:
+    raise ValueError("A padding mask (Poisson sampling) cannot be combined with "
+                     "num_microbatches: use per-example units.")
+
+
 def seed_generators(model):
   """Keras ``SeedGenerator``s of all layers (Dropout and other random layers)."""
   gens = []
@@ -96,9 +103,7 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
   """
   if variables is None:
     variables = model.trainable_variables
-  if mask is not None and num_microbatches:
-    raise ValueError("A padding mask (Poisson sampling) cannot be combined with "
-                     "num_microbatches: use per-example units.")
+  check_mask_and_microbatches(mask, num_microbatches)
   with tf.control_dependencies(check_microbatches(batch_size_of(x), num_microbatches)):
     xu = to_units(x, num_microbatches)
     yu = to_units(y, num_microbatches)
