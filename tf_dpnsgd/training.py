@@ -168,9 +168,8 @@ class _DPTrainer:
     batch = per_example_lib.vectorized.batch_size_of(x)
     num_chunks = (batch + size - 1) // size
     variables = self.trainable_variables
-    x_spec = tf.nest.map_structure(
-        lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
-    pred_dtypes = [t.dtype for t in tf.nest.flatten(self.compute_output_spec(x_spec))]
+    y_spec = per_example_lib.base.output_spec(self, x)
+    pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
 
     def new_ta(dtype):
       return tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
@@ -190,7 +189,6 @@ class _DPTrainer:
             [new_ta(d) for d in pred_dtypes])
     _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
         lambda i, *_: i < num_chunks, body, init, parallel_iterations=1)
-    y_spec = self.compute_output_spec(x_spec)
 
     def concat(ta, shape=(None,)):
       t = ta.concat()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 
@@ -27,3 +28,14 @@ class EngineOutput:
   factors: tf.Tensor
   losses: tf.Tensor
   y_pred: Any
+
+
+def output_spec(model, x):
+  """The model's symbolic output for a batch like ``x`` (any batch size).
+
+  Used to create ``tf.TensorArray``s of the right dtypes before a loop over
+  units or chunks.
+  """
+  x_spec = tf.nest.map_structure(
+      lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
+  return model.compute_output_spec(x_spec)

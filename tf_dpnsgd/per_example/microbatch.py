@@ -10,11 +10,10 @@ reference the other engines are tested against.
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
 from tf_dpnsgd import transforms
-from tf_dpnsgd.per_example.base import EngineOutput
+from tf_dpnsgd.per_example.base import EngineOutput, output_spec
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
                                               check_microbatches)
 
@@ -44,9 +43,8 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     units = tf.identity(num_microbatches or batch)
   size = batch // units
 
-  x_spec = tf.nest.map_structure(
-      lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
-  pred_dtypes = [t.dtype for t in tf.nest.flatten(model.compute_output_spec(x_spec))]
+  y_spec = output_spec(model, x)
+  pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
 
   def new_ta(dtype):
     return tf.TensorArray(dtype, size=units, infer_shape=False)
@@ -71,7 +69,6 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
           [new_ta(d) for d in pred_dtypes])
   _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
       lambda u, *_: u < units, body, init, parallel_iterations=1)
-  y_spec = model.compute_output_spec(x_spec)
   preds = [tf.ensure_shape(ta.concat(), (None,) + tuple(spec.shape[1:]))
            for ta, spec in zip(ta_p, tf.nest.flatten(y_spec))]
   y_pred = tf.nest.pack_sequence_as(y_spec, preds)
