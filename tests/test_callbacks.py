@@ -42,7 +42,7 @@ class Recorder(keras.callbacks.Callback):
     self.batch_eps = []
 
   def on_train_batch_end(self, batch, logs=None):
-    self.batch_eps.append((int(self.model.optimizer.iterations.numpy()), logs.get(EPSILON_KEY)))
+    self.batch_eps.append((self.model.privacy_ledger.steps, logs.get(EPSILON_KEY)))
 
 
 def read_scalars(log_dir, tag):
@@ -69,7 +69,7 @@ def test_epsilon_in_logs_history_tensorboard_and_planned_stop(tmp_path):
   assert kwargs["epochs"] * kwargs["steps_per_epoch"] == 16  # more than the 12 planned
   history = model.fit(plan.dataset(x, y), callbacks=callbacks, verbose=0, **kwargs)
 
-  assert int(model.optimizer.iterations.numpy()) == 12  # stopped mid-epoch, at the plan
+  assert model.privacy_ledger.steps == 12  # stopped mid-epoch, at the plan
   assert callbacks[0].stopped_by_budget
   expected = {t: plan.epsilon(t) for t in range(1, 13)}
   assert recorder.batch_eps == [(t, pytest.approx(expected[t])) for t in range(1, 13)]
@@ -81,7 +81,7 @@ def test_epsilon_in_logs_history_tensorboard_and_planned_stop(tmp_path):
   with pytest.raises(PrivacyBudgetExceededError, match="No further step"):
     model.fit(plan.dataset(x, y, start_step=12), callbacks=plan.callbacks(), verbose=0,
               **plan.fit_kwargs(start_step=12))
-  assert int(model.optimizer.iterations.numpy()) == 12
+  assert model.privacy_ledger.steps == 12
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
@@ -94,7 +94,7 @@ def test_budget_stop_never_crosses_the_budget(steps_per_execution):
   callback = PrivacyCallback(plan, epsilon_budget=budget)
   history = model.fit(plan.dataset(x, y), callbacks=[callback], epochs=5, steps_per_epoch=6,
                       verbose=0)
-  taken = int(model.optimizer.iterations.numpy())
+  taken = model.privacy_ledger.steps
   assert plan.epsilon(taken) <= budget < plan.epsilon(11)
   assert taken == (10 if steps_per_execution == 1 else 9)  # executions of 3: 3, 6, 9 (+3 > 10)
   assert callback.stopped_by_budget and callback.epsilon <= budget
@@ -114,21 +114,20 @@ def test_resumed_run_counts_all_steps(tmp_path):
   model.save(path)
 
   restored = keras.models.load_model(path)
-  assert int(restored.optimizer.iterations.numpy()) == 5
-  assert int(restored.optimizer.noise_draws.numpy()) == 5
-  start = int(restored.optimizer.iterations.numpy())
+  assert restored.privacy_ledger.steps == 5
   callback = plan.callbacks(state_path=state)[0]
-  history = restored.fit(plan.dataset(x, y, start_step=start), callbacks=[callback], verbose=0,
-                         **plan.fit_kwargs(start_step=start))
-  assert int(restored.optimizer.iterations.numpy()) == 20
+  history = restored.fit(plan.dataset(x, y, model=restored), callbacks=[callback], verbose=0,
+                         **plan.fit_kwargs(restored))
+  assert restored.privacy_ledger.steps == 20
   assert callback.steps == 20 and callback.epsilon == pytest.approx(plan.epsilon(20))
+  assert plan.report(restored).epsilon == pytest.approx(plan.epsilon(20))
   assert history.history[EPSILON_KEY][-1] == pytest.approx(plan.epsilon(20))
   assert plan.epsilon(20) > plan.epsilon(15)  # counting only the resumed steps would be fewer
   assert json.load(open(state))["steps"] == 20
 
-  # An optimizer that was not restored (step counter 0) cannot continue the recorded run.
+  # A model that was not restored (empty ledger) cannot continue the recorded run.
   fresh = make_model(plan)
-  with pytest.raises(ValueError, match="restore the optimizer"):
+  with pytest.raises(ValueError, match="restore the model"):
     fresh.fit(plan.dataset(x, y, start_step=20), callbacks=plan.callbacks(state_path=state),
               verbose=0, epochs=1, steps_per_epoch=1)
 
@@ -142,7 +141,7 @@ def test_optimizer_must_add_the_planned_noise():
   model = make_model(other)
   with pytest.raises(ValueError, match="differs from the plan"):
     model.fit(plan.dataset(x, y), callbacks=plan.callbacks(), verbose=0, **plan.fit_kwargs())
-  assert int(model.optimizer.iterations.numpy()) == 0
+  assert model.privacy_ledger.steps == 0
 
 
 def test_callback_arguments():

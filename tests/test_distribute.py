@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     multi.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), multi.get_weights()))
     moved = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), build().get_weights()))
-    print("RESULT", strategy.num_replicas_in_sync, diff, moved, int(multi.optimizer.noise_draws.numpy()))
+    print("RESULT", strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps)
 """)
 
 

@@ -18,11 +18,11 @@ def test_plan_with_sigma_and_epochs():
   assert plan.num_steps == 250  # floor(2.5 * 20000 / 200)
   assert plan.training_noise_multiplier == 1.3
   assert isinstance(plan.sampler, sampling.PoissonSampler) and plan.sampler.seed == 4
-  report = plan.report()
+  report = plan.planned_report()
   assert report.steps == 250 and report.target_epsilon is None
   assert report.epsilon == pytest.approx(accounting.compute_epsilon(
       20000, 200, 1.3, 1e-5, "poisson", steps=250).epsilon)
-  assert plan.report(10).epsilon < report.epsilon
+  assert plan.epsilon(10) < report.epsilon
   # The event, composed in dp-accounting directly, gives the report's epsilon.
   ledger = plan.spec.make_accountant()
   ledger.compose(plan.dp_event())
@@ -35,7 +35,7 @@ def test_plan_with_sigma_and_epochs():
 def test_plan_with_target_epsilon_calibrates(sampling_name, kwargs):
   plan = PrivacyPlan(sampling=sampling_name, steps=300, target_epsilon=3.0, **BASE, **kwargs)
   sigma = plan.training_noise_multiplier
-  report = plan.report()
+  report = plan.planned_report()
   assert report.noise_multiplier == sigma
   assert report.epsilon <= 3.0
   assert report.target_epsilon == 3.0 and report.calibration_tolerance == plan.calibration_tolerance
@@ -75,6 +75,19 @@ def test_fit_kwargs():
   plan = PrivacyPlan(sampling="shuffle", epochs=2.5, noise_multiplier=1.0, **BASE)
   assert plan.fit_kwargs() == {"epochs": 3, "steps_per_epoch": 100, "initial_epoch": 0}
   assert plan.fit_kwargs(start_step=130)["initial_epoch"] == 1
+
+
+def test_report_needs_the_model_not_a_step_count():
+  plan = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
+  with pytest.raises(TypeError, match="planned_report"):
+    plan.report()  # pylint: disable=no-value-for-parameter
+  with pytest.raises(TypeError, match="planned_report"):
+    plan.report(10)
+
+
+def test_public_dict_has_no_seed():
+  plan = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
+  assert "seed" not in plan.public_dict() and str(plan.seed) not in str(plan.public_dict())
 
 
 @pytest.mark.parametrize("change,match", [

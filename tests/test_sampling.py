@@ -185,8 +185,10 @@ def test_nested_inputs():
   x, y = toy_data(n)
   inputs = {"a": x, "b": x[:, :1] * 2}
   s = sampling.UniformSampler(n, 8, seed=0)
-  xb, yb = next(iter(s.dataset(inputs, y)))
+  xb, yb, tags = next(iter(s.dataset(inputs, y)))
   idx = s.indices(0)
+  assert set(tags) == {"dp_kind", "dp_step", "dp_sampler"}
+  np.testing.assert_array_equal(tags["dp_step"].numpy(), np.zeros(8))
   np.testing.assert_array_equal(xb["b"].numpy(), inputs["b"][idx])
   np.testing.assert_array_equal(yb.numpy(), y[idx])
 
@@ -202,7 +204,7 @@ def _one_step(batch, seed=0):
                                           noise_multiplier=0.0, seed=0),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.fit(tf.data.Dataset.from_tensors(batch), epochs=1, verbose=0)
-  return [w.numpy() for w in model.weights]
+  return [w.numpy() for w in model.trainable_weights]
 
 
 def test_padded_rows_contribute_exactly_zero():
@@ -238,3 +240,5 @@ def test_numpy_batches_feed_fit():
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.fit(s.numpy_batches(x, y), steps_per_epoch=3, epochs=2, verbose=0)
   assert int(model.optimizer.iterations.numpy()) == 6
+  assert model.privacy_ledger.to_dict()["steps"] == 6
+  assert model.privacy_ledger.kind == "poisson"

@@ -132,7 +132,7 @@ def fit_private_text(preset, batch_size=8, steps=2):
   history = model.fit(tokens, labels, batch_size=batch_size, epochs=1, verbose=0)
   return {
       "loss": float(history.history["loss"][-1]),
-      "noise_draws": int(model.optimizer.noise_draws.numpy()),
+      "noise_draws": model.privacy_ledger.steps,
       "frozen_unchanged": len(tables) == 3 and all(
           np.array_equal(a, v.numpy()) for a, v in zip(frozen, tables)),
       "trainable_changed": all(not np.array_equal(a, v.numpy())

@@ -6,7 +6,8 @@ Public API:
   * Math: :mod:`tf_dpnsgd.transforms` (normalize/clip + sensitivity),
     :mod:`tf_dpnsgd.noise` (Gaussian mechanism).
   * Privacy: :class:`PrivacyPlan` (sampler + noise + event + report from one
-    object), :mod:`tf_dpnsgd.accounting`, :mod:`tf_dpnsgd.sampling`,
+    object), :class:`PrivacyLedger` (what the train step executed, owned by the
+    model; every report reads it), :mod:`tf_dpnsgd.accounting`, :mod:`tf_dpnsgd.sampling`,
     :mod:`tf_dpnsgd.callbacks`.
 """
 
@@ -14,11 +15,13 @@ from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks
 from tf_dpnsgd import data
 from tf_dpnsgd import export
+from tf_dpnsgd import ledger
 from tf_dpnsgd import models
 from tf_dpnsgd import noise
 from tf_dpnsgd import sampling
 from tf_dpnsgd import schedules
 from tf_dpnsgd import transforms
+from tf_dpnsgd.ledger import LedgerMismatchError, PrivacyLedger, ledger_of
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.optimizers import DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin
 from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
@@ -27,5 +30,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "DPModel", "PrivateModelWrapper",
-    "make_private", "validate_layers", "PrivacyPlan", "accounting", "callbacks", "sampling", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
+    "make_private", "validate_layers", "PrivacyPlan", "PrivacyLedger", "LedgerMismatchError",
+    "ledger", "ledger_of", "accounting", "callbacks", "sampling", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
 ]

@@ -1,9 +1,13 @@
 """Keras callback: epsilon spent, in the progress bar, ``history`` and TensorBoard; budget stop.
 
-:class:`PrivacyCallback` reads the number of private steps from the
-optimizer (``optimizer.iterations`` and the noise-draw counter, both saved in
-checkpoints and ``.keras`` files; the larger is used), so a run restored from
-a checkpoint reports epsilon for all steps taken since the start, never fewer.
+:class:`PrivacyCallback` reads the number of private steps from the model's
+privacy ledger (:mod:`tf_dpnsgd.ledger`: written by the train step, saved with
+the model's weights, checkpoints and ``.keras`` files whatever the optimizer),
+so a resumed, recompiled or twice-fitted run reports epsilon for every step
+taken since the start, never fewer. At ``on_train_begin`` it tells the ledger
+which batch kind the plan accounts for (the train step then refuses any other,
+e.g. batches Keras draws from arrays) and checks that the ledger's past steps
+are ones the plan can account for.
 Epsilon comes from the plan's :class:`tf_dpnsgd.accounting.StepAccountant`
 (per-step RDP cached, composed linearly: a batch costs one conversion).
 
@@ -34,6 +38,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.plan import PrivacyPlan
 
 EPSILON_KEY = "epsilon"
@@ -60,14 +65,9 @@ def write_scalar(name: str, value: float, step: int) -> None:
   tf.summary.write(name, tf.constant(value, tf.float32), step=step, metadata=_scalar_metadata())
 
 
-def steps_taken(optimizer) -> int:
-  """Private steps taken so far: max of ``iterations`` and the noise-draw counter."""
-  counts = [int(optimizer.iterations.numpy())]
-  try:
-    counts.append(int(optimizer.noise_draws.numpy()))
-  except AttributeError:  # not built yet, or not a DP optimizer
-    pass
-  return max(counts)
+def steps_taken(model) -> int:
+  """Private steps taken so far by ``model``, from its privacy ledger."""
+  return ledger_lib.ledger_of(model).steps
 
 
 class PrivacyCallback(keras.callbacks.Callback):
@@ -82,8 +82,8 @@ class PrivacyCallback(keras.callbacks.Callback):
       this; ``None`` disables the stop.
     log_dir: also write the scalar ``epsilon`` to ``log_dir/privacy``.
     state_path: JSON file recording the step count, epsilon and plan at each
-      epoch end; a later ``fit`` with fewer optimizer steps than recorded (an
-      optimizer that was not restored) or a different plan raises.
+      epoch end; a later ``fit`` whose model ledger has fewer steps than
+      recorded (a model that was not restored) or a different plan raises.
     update_freq: ``"batch"``, ``"epoch"`` or ``"auto"`` (batch for RDP, epoch
       for PLD, whose epsilon is costlier).
     check_optimizer: check at ``on_train_begin`` that the optimizer's noise
@@ -125,8 +125,8 @@ class PrivacyCallback(keras.callbacks.Callback):
     return max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
 
   def _update(self, logs) -> None:
-    self.steps = steps_taken(self.model.optimizer)
-    self.epsilon = self.plan.step_accountant.epsilon(self.steps)
+    self.steps = steps_taken(self.model)
+    self.epsilon = self.plan.report(self.model).epsilon
     if logs is not None:
       logs[EPSILON_KEY] = self.epsilon
     if self._writer is not None:
@@ -143,7 +143,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     if not self.state_path or self.steps is None:
       return
     record = {"steps": self.steps, "epsilon": self.epsilon, "delta": self.plan.delta,
-              "plan": self.plan.to_dict()}
+              "plan": self.plan.public_dict()}
     tmp = self.state_path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(record, f, sort_keys=True)
@@ -154,17 +154,20 @@ class PrivacyCallback(keras.callbacks.Callback):
     optimizer = self.model.optimizer
     if self.check_optimizer:
       self.plan.check_optimizer(optimizer)
-    steps = steps_taken(optimizer)
+    ledger = ledger_lib.ledger_of(self.model)
+    self.plan.check_ledger(ledger)  # past steps must be ones this plan accounts for
+    ledger.expect(self.plan.sampling)  # the train step refuses any other batch kind
+    steps = ledger.steps
     state = self._read_state()
     if state is not None:
-      if state.get("plan") != self.plan.to_dict():
+      if state.get("plan") != self.plan.public_dict():
         raise ValueError(f"{self.state_path} records a different privacy plan; one run must "
                          "follow one plan (or use a new state_path).")
       if steps < state["steps"]:
         raise ValueError(
-            f"The optimizer has taken {steps} steps but {self.state_path} records "
-            f"{state['steps']}: restore the optimizer from the checkpoint (its step counter) "
-            "so that epsilon counts every step taken.")
+            f"The model's privacy ledger has {steps} steps but {self.state_path} records "
+            f"{state['steps']}: restore the model from the checkpoint (load_weights restores "
+            "the ledger) so that epsilon counts every step taken.")
     if self.log_dir and self._writer is None:
       self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "privacy"))
     self.stopped_by_budget = False
@@ -176,11 +179,11 @@ class PrivacyCallback(keras.callbacks.Callback):
             f"{steps} steps taken, at most {self._max_steps} allowed "
             f"(steps_per_execution = {self._lookahead()}).")
     self.steps = steps
-    self.epsilon = self.plan.step_accountant.epsilon(steps)
+    self.epsilon = self.plan.report(self.model).epsilon
 
   def on_train_batch_end(self, batch, logs=None):
     if self.update_freq == "batch" or self.epsilon_budget is not None:
-      self.steps = steps_taken(self.model.optimizer)
+      self.steps = steps_taken(self.model)
     if self.update_freq == "batch":
       self._update(logs)
     if self.epsilon_budget is None:

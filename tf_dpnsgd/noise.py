@@ -1,9 +1,10 @@
-"""The Gaussian mechanism on summed contributions: seeded, counter-based, checkpointable.
+"""The Gaussian mechanism on summed contributions: seeded, keyed by the ledger step.
 
-The noise for step ``t`` is a pure function of ``(seed, t)`` (stateless
-Philox-based ``tf.random.stateless_normal``), so a run restored from a
-checkpoint that holds the counter continues the noise stream without repeating
-a draw, and two runs with the same seed draw identical noise.
+The noise for step ``t`` is a pure function of ``(key, t)`` (stateless
+Philox-based ``tf.random.stateless_normal``) where ``t`` is the model's
+privacy-ledger step (:mod:`tf_dpnsgd.ledger`), saved with the model's weights:
+a resumed run, a recompile or a new optimizer continues the stream and never
+repeats a draw, and two runs with the same user seed draw identical noise.
 
 Formal guarantee: given ``summed = sum_i h_i g_i`` where every contribution has
 L2 norm <= ``sensitivity``, ``add_gaussian_noise`` returns ``summed + N(0, s^2 I)``
@@ -11,10 +12,11 @@ with ``s = noise_multiplier * sensitivity``: the Gaussian mechanism with
 noise multiplier ``noise_multiplier`` (in units of the sensitivity), which is
 what :mod:`tf_dpnsgd.accounting` accounts.
 
-Note: the seed and counter are part of the optimizer's saved state. Anyone who
-holds them and the model checkpoints before and after a step can subtract the
-noise; release model weights (e.g. the SavedModel export), never the
-optimizer state, and leave ``seed=None`` (an OS-random seed) for real runs.
+Secrecy: by default the key is drawn from the OS (:func:`random_seed`) when
+the optimizer is built and is never stored (not a variable: no checkpoint,
+``.keras`` file or export holds it). Whoever knows the key and two successive
+checkpoints can subtract the noise; a user-fixed ``seed`` is therefore for
+reproducibility experiments only, and the privacy report says when one was used.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """DP optimizers: thin Keras 3 shells over :mod:`transforms` and :mod:`noise`.
 
 Each optimizer owns (a) its per-example transform (normalize or clip), which
-reports the sensitivity, (b) the noise multiplier, and (c) the noise RNG state
-(seed and draw counter, both optimizer variables, so they are checkpointed and
-restored with the optimizer). The parameter update itself is Keras' own SGD or
-Adam applied to the privatized gradient.
+reports the sensitivity, (b) the noise multiplier, and (c) the noise key: the
+user's ``seed`` (reproducibility experiments only; the privacy report says so)
+or, by default, a key drawn from the OS when the optimizer is built. The key is
+never a variable, so no checkpoint, ``.keras`` file or export holds it. The
+draw of each step is keyed by (key, the model's privacy-ledger step), not by an
+optimizer counter, so a recompile, a new optimizer or a resume continues the
+noise stream and never repeats a draw (:mod:`tf_dpnsgd.ledger`). The
+parameter update itself is Keras' own SGD or Adam applied to the privatized
+gradient.
 
 The per-example gradients come from the model's train step
 (:class:`tf_dpnsgd.DPModel` / :func:`tf_dpnsgd.make_private`), which calls
@@ -32,6 +37,9 @@ _RAW_APPLY_ERROR = (
     "`tf_dpnsgd.DPModel(inputs, outputs)` or wrap it with `tf_dpnsgd.make_private(model)` "
     "before `compile`/`fit`; in a custom loop use `optimizer.apply_private_gradients(...)`."
 )
+
+
+_NOISE_TAG = 0x5EED  # separates the noise stream from other uses of the same seed
 
 
 def _validate_num_microbatches(num_microbatches):
@@ -74,20 +82,14 @@ class DPOptimizerMixin:
     if self.built:
       return
     super().build(variables)
-    seed = self.seed if self.seed is not None else noise_lib.random_seed()
-    # [user seed, domain tag]: the tag separates this stream from other uses of the seed.
-    self._noise_seed = self.add_variable(
-        shape=(2,), initializer=keras.initializers.Constant([seed, 0x5EED]),
-        dtype="int64", name="dp_noise_seed")
-    self._noise_draws = self.add_variable(
-        shape=(), initializer="zeros", dtype="int64", name="dp_noise_draws")
+    # The noise key: the user's seed, or one drawn from the OS for this optimizer object.
+    # It is a Python value, never a variable: no checkpoint, .keras file or export holds
+    # it. The draw of a step is keyed by (key, the model's ledger step), so a new
+    # optimizer (recompile, resume) continues the stream instead of repeating it.
+    self._noise_key = (self.seed if self.seed is not None else noise_lib.random_seed(),
+                       _NOISE_TAG)
 
-  @property
-  def noise_draws(self):
-    """Number of noise draws so far (one per private step); restored from checkpoints."""
-    return self._noise_draws
-
-  def privatize(self, summed, denominator, local_denominator=False):
+  def privatize(self, summed, denominator, local_denominator=False, step=None):
     """Adds calibrated noise to the summed contributions and divides by ``denominator``.
 
     Under a ``tf.distribute`` strategy with several replicas, the per-replica
@@ -101,6 +103,9 @@ class DPOptimizerMixin:
         expected batch size ``qN`` under Poisson sampling).
       local_denominator: True if ``denominator`` counts this replica's units
         only (it is then summed over replicas too).
+      step: the index of this private step in the model's privacy ledger
+        (:meth:`tf_dpnsgd.ledger.PrivacyLedger.step`); the noise draw is keyed
+        by it. Required: a DP train step always passes it.
 
     Returns:
       The privatized mean gradient, one tensor per variable.
@@ -111,8 +116,10 @@ class DPOptimizerMixin:
       if local_denominator:
         denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                      tf.cast(denominator, tf.float32))
-    seed = noise_lib.step_seed(self._noise_seed.value, self._noise_draws.value)
-    self._noise_draws.assign_add(1)
+    if step is None:
+      raise ValueError("privatize() needs `step`, the model's privacy-ledger step that keys "
+                       "the noise draw (the DP train step passes it).")
+    seed = noise_lib.step_seed(tf.constant(self._noise_key, tf.int64), step)
     noisy = noise_lib.add_gaussian_noise(summed, self.noise_stddev, seed)
     denominator = tf.cast(denominator, tf.float32)
     if ctx is not None and ctx.num_replicas_in_sync > 1:
@@ -122,7 +129,7 @@ class DPOptimizerMixin:
     return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
   def apply_private_gradients(self, summed, denominator, variables, public_grads=None,
-                              local_denominator=False):
+                              local_denominator=False, step=None):
     """Privatizes ``summed`` and applies the update to ``variables``.
 
     Args:
@@ -131,12 +138,12 @@ class DPOptimizerMixin:
       variables: the trainable variables, aligned with ``summed``.
       public_grads: optional data-independent gradients (e.g. of weight
         regularizers) added after the noise; ``None`` entries are skipped.
-      local_denominator: see :meth:`privatize`.
+      local_denominator, step: see :meth:`privatize`.
     """
     if not self.built:
       with keras.name_scope(self.name, caller=self):
         self.build(variables)
-    grads = self.privatize(summed, denominator, local_denominator)
+    grads = self.privatize(summed, denominator, local_denominator, step)
     if public_grads is not None:
       grads = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(grads, public_grads)]
     self._dp_applying = True

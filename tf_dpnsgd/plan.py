@@ -11,7 +11,7 @@ reported cannot drift apart:
 >>> plan.num_steps
 5000
 >>> sigma = plan.training_noise_multiplier          # calibrated; give it to the optimizer
->>> plan.report().epsilon <= 2.0
+>>> plan.planned_report().epsilon <= 2.0
 True
 
 Training::
@@ -19,13 +19,20 @@ Training::
     optimizer = tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01,
                                  noise_multiplier=plan.training_noise_multiplier)
     model.compile(optimizer=optimizer, loss=...)
-    model.fit(plan.dataset(x, y), callbacks=plan.callbacks(), **plan.fit_kwargs())
+    model.fit(plan.dataset(x, y, model=model), callbacks=plan.callbacks(),
+              **plan.fit_kwargs(model))
+    print(plan.report(model).epsilon)      # what the model's privacy ledger executed
 
-Resuming (after restoring the model and optimizer from a checkpoint)::
+Resuming, a second ``fit``, a recompile: the same three lines. ``model=model``
+continues the sampler stream at the model's privacy-ledger step (restored by
+``load_weights`` and ``.keras`` loading), so no batch is replayed or skipped;
+the train step refuses one that would be.
 
-    start = int(model.optimizer.iterations)
-    model.fit(plan.dataset(x, y, start_step=start), callbacks=plan.callbacks(),
-              **plan.fit_kwargs(start_step=start))
+The report reads only the model's ledger (:mod:`tf_dpnsgd.ledger`): the steps
+actually taken, the kind of batch they consumed and the smallest noise
+multiplier used. It refuses (:class:`tf_dpnsgd.ledger.LedgerMismatchError`)
+to describe a ledger that does not match the plan, e.g. Poisson accounting
+for batches that Keras drew itself.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import math
 from typing import Optional
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
 
 
@@ -144,28 +152,105 @@ class PrivacyPlan:
   def epsilon(self, steps: Optional[int] = None) -> float:
     return self.step_accountant.epsilon(self.num_steps if steps is None else steps)
 
-  def report(self, steps: Optional[int] = None) -> accounting.PrivacyReport:
-    """The privacy report after ``steps`` (default: all planned) steps."""
-    steps = self.num_steps if steps is None else steps
+  def planned_report(self) -> accounting.PrivacyReport:
+    """The report the plan promises if all planned steps run (planning only)."""
+    return self._report(self.num_steps)
+
+  def _report(self, steps: int, notes=()) -> accounting.PrivacyReport:
     target = None if self.target_epsilon is None else float(self.target_epsilon)
-    return self.step_accountant.report(
+    report = self.step_accountant.report(
         steps, target_epsilon=target,
         calibration_tolerance=None if target is None else self.calibration_tolerance)
+    if notes:
+      report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes))
+    return report
+
+  def check_ledger(self, ledger) -> list:
+    """Raises :class:`~tf_dpnsgd.ledger.LedgerMismatchError` unless this plan can account
+    for what ``ledger`` (or a model's ledger) recorded; returns notes for the report."""
+    ledger = _as_ledger(ledger)
+    steps = ledger.steps
+    if steps == 0:
+      return []
+    kind = ledger.kind
+    notes = []
+    if kind == ledger_lib.UNTAGGED:
+      if self.sampling != "shuffle":
+        raise ledger_lib.LedgerMismatchError(
+            f"The model's privacy ledger holds {steps} steps on batches that Keras drew "
+            f"itself (model.fit(x, y, batch_size=...)), but this plan accounts for "
+            f"{self.sampling} sampling: that epsilon would not describe the training. Train "
+            "on model.fit(plan.dataset(x, y, model=model), **plan.fit_kwargs(model)); for "
+            "the honest epsilon of what ran, report it with a plan of sampling='shuffle'.")
+      notes.append("The batches were drawn by Keras (untagged), not by the plan's sampler: "
+                   "each step is accounted as one full Gaussian mechanism, with no "
+                   "assumption about epochs (conservative).")
+    elif kind != self.sampling or ledger.sampler != self.sampler.fingerprint:
+      raise ledger_lib.LedgerMismatchError(
+          f"The model's privacy ledger holds {steps} steps of {kind} batches from another "
+          f"sampler (sampling, N or B) than this plan's ({self.sampling}, "
+          f"N={self.dataset_size}, B={self.batch_size}); report them with the plan that "
+          "drew them.")
+    sigma = self.training_noise_multiplier
+    used = ledger.min_noise_multiplier
+    if used < sigma * (1 - 1e-6):
+      raise ledger_lib.LedgerMismatchError(
+          f"A step in the model's privacy ledger used noise_multiplier {used:.6g}, below the "
+          f"plan's {sigma:.6g}: the plan's epsilon would understate it. Build the optimizer "
+          "with noise_multiplier=plan.training_noise_multiplier.")
+    seeded = ledger.user_seeded_steps
+    if seeded:
+      notes.append(f"{seeded} of {steps} steps drew their noise from a user-fixed seed: a "
+                   "reproducibility experiment. Anyone who knows the seed can remove the "
+                   "noise; do not release such a model as private.")
+    return notes
+
+  def report(self, model=None) -> accounting.PrivacyReport:
+    """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
+
+    Raises:
+      LedgerMismatchError: the ledger's steps are not what this plan accounts for.
+    """
+    ledger = _as_ledger(model)
+    notes = self.check_ledger(ledger)
+    steps = ledger.steps
+    if ledger.kind == ledger_lib.UNTAGGED:
+      # One composition per step: the shuffle accountant with one batch per "epoch".
+      spec = accounting.make_spec(self.dataset_size, self.dataset_size, "shuffle",
+                                  self.accountant, self.bound, self.conversion)
+      report = accounting.StepAccountant(spec, self.training_noise_multiplier,
+                                         self.delta).report(steps)
+      return dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes))
+    if steps > self.num_steps:
+      notes.append(f"{steps} steps ran, more than the {self.num_steps} planned; the epsilon "
+                   "covers all of them.")
+    return self._report(steps, notes)
+
+  def epsilon_of(self, model) -> float:
+    """Epsilon of what ``model``'s ledger executed (see :meth:`report`)."""
+    return self.report(model).epsilon
 
   # --- training helpers ------------------------------------------------------
-  def dataset(self, x, y, start_step: int = 0):
-    """The sampler's infinite ``tf.data`` stream from ``start_step`` (see :meth:`fit_kwargs`)."""
-    return self.sampler.dataset(x, y, start_step=start_step)
+  def dataset(self, x, y, start_step: Optional[int] = None, model=None):
+    """The sampler's infinite ``tf.data`` stream (see :meth:`fit_kwargs`).
 
-  def fit_kwargs(self, start_step: int = 0) -> dict:
+    Args:
+      x, y: the ``N`` training examples.
+      start_step: the first step's index; default: ``model``'s ledger step, or 0.
+      model: the DP model this stream feeds; the stream then continues its
+        privacy ledger (after a resume, a second ``fit`` or a recompile).
+    """
+    return self.sampler.dataset(x, y, start_step=_start_step(start_step, model))
+
+  def fit_kwargs(self, model=None, start_step: Optional[int] = None) -> dict:
     """``epochs``, ``steps_per_epoch`` and ``initial_epoch`` for ``model.fit``.
 
+    ``initial_epoch`` follows ``model``'s privacy ledger (or ``start_step``).
     ``epochs * steps_per_epoch`` may exceed :attr:`num_steps` when ``N / B`` is
     not an integer; :meth:`callbacks` stops training at the planned budget.
     """
+    start_step = _start_step(start_step, model)
     spe = self.spec.steps_per_epoch
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-      raise ValueError(f"`start_step` must be a non-negative integer; got {start_step!r}.")
     return {"epochs": max(1, math.ceil(self.num_steps / spe)), "steps_per_epoch": spe,
             "initial_epoch": start_step // spe}
 
@@ -193,8 +278,17 @@ class PrivacyPlan:
 
   # --- records ----------------------------------------------------------------
   def to_dict(self) -> dict:
-    """The fields (with the resolved seed); ``PrivacyPlan(**d)`` rebuilds the plan."""
+    """The fields (with the resolved seed); ``PrivacyPlan(**d)`` rebuilds the plan.
+
+    Contains the sampler seed, a secret: log or publish :meth:`public_dict` instead.
+    """
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def public_dict(self) -> dict:
+    """The fields without the sampler seed (safe to log, record and publish)."""
+    d = self.to_dict()
+    d.pop("seed")
+    return d
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), sort_keys=True)
@@ -204,4 +298,30 @@ class PrivacyPlan:
     return cls(**json.loads(text))
 
 
+def _as_ledger(model_or_ledger) -> ledger_lib.PrivacyLedger:
+  if isinstance(model_or_ledger, ledger_lib.PrivacyLedger):
+    return model_or_ledger
+  if model_or_ledger is None or isinstance(model_or_ledger, (int, float)):
+    raise TypeError(
+        "PrivacyPlan.report takes the trained DP model (or its privacy_ledger), whose ledger "
+        "records the steps that ran; planned_report() gives the plan's promise and "
+        f"epsilon(steps) a hypothetical step count. Got {model_or_ledger!r}.")
+  return ledger_lib.ledger_of(model_or_ledger)
+
+
+def _start_step(start_step, model) -> int:
+  if model is not None:
+    taken = ledger_lib.ledger_of(model).steps
+    if start_step is not None and start_step != taken:
+      raise ValueError(f"start_step={start_step!r} but the model's privacy ledger has taken "
+                       f"{taken} steps; omit start_step to continue the ledger.")
+    return taken
+  if start_step is None:
+    return 0
+  if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+    raise ValueError(f"`start_step` must be a non-negative integer; got {start_step!r}.")
+  return start_step
+
+
 __all__ = ["PrivacyPlan"]
+

@@ -9,20 +9,27 @@ cannot be paired with the wrong accountant.
 ==============  =========================================  ==================================
 sampler         batch of step ``t``                         element fed to ``model.fit``
 ==============  =========================================  ==================================
-PoissonSampler  each example independently w.p. ``q=B/N``   ``(x, y, {dp_mask,
+PoissonSampler  each example independently w.p. ``q=B/N``   ``(x, y, tags + {dp_mask,
                                                             dp_denominator})``, padded to a
                                                             static ``max_batch_size``
-UniformSampler  a uniformly random ``B``-subset, without    ``(x, y)``, exactly ``B`` rows
-                replacement, fresh every step
-ShuffleSampler  batch ``t mod (N//B)`` of epoch             ``(x, y)``, exactly ``B`` rows
-                ``t // (N//B)``'s random permutation
+UniformSampler  a uniformly random ``B``-subset, without    ``(x, y, tags)``, exactly ``B``
+                replacement, fresh every step               rows
+ShuffleSampler  batch ``t mod (N//B)`` of epoch             ``(x, y, tags)``, exactly ``B``
+                ``t // (N//B)``'s random permutation        rows
 ==============  =========================================  ==================================
+
+Every batch is tagged with its sampler's kind, its step index ``t`` and the
+sampler's public fingerprint (:mod:`tf_dpnsgd.ledger`); the DP train step
+refuses a batch that would not continue the model's privacy ledger (a
+replayed or skipped step, another sampling), so the accounted steps are the
+executed ones.
 
 Determinism and resumption: the batch of step ``t`` is a pure function of
 ``(seed, t)`` (a NumPy ``Generator`` seeded with ``[seed, tag, t]``, or
 ``[seed, tag, epoch]`` for the permutation), so ``dataset(x, y,
 start_step=k)`` continues the stream of an interrupted run exactly; take
-``k = int(model.optimizer.iterations)`` from the restored checkpoint.
+``k = model.privacy_ledger.steps`` from the restored model (or pass
+``model=model`` to :meth:`tf_dpnsgd.plan.PrivacyPlan.dataset`).
 Streams are reproducible for a fixed NumPy version (NumPy does not promise
 ``Generator`` streams across versions).
 
@@ -56,7 +63,8 @@ from scipy import stats
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import noise as noise_lib
-from tf_dpnsgd.training import DP_DENOMINATOR_KEY, DP_MASK_KEY
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd.ledger import DP_DENOMINATOR_KEY, DP_MASK_KEY
 
 # Domain tags keep the samplers' streams apart from each other for one seed.
 _TAGS = {"poisson": 0x9015, "uniform": 0x0F1E, "shuffle": 0x5F1E}
@@ -196,16 +204,17 @@ class Sampler:
     generator adapter rejects scalars) and shape ``[]`` in :meth:`dataset`.
     """
     self._check_data(x, y)
+    rows = self._rows_per_element
     for step in self._step_range(start_step, num_steps):
       idx, mask = self._element_indices(step)
       xb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], x)
       yb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], y)
-      if mask is None:
-        yield xb, yb
-      else:
-        # Keras' generator adapter needs rank >= 1; the train step reshapes it to a scalar.
-        denominator = np.full([1], self.denominator, np.float32)
-        yield xb, yb, {DP_MASK_KEY: mask, DP_DENOMINATOR_KEY: denominator}
+      tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
+      if mask is not None:
+        # Keras' generator adapter needs rank >= 1; the train step reads element 0.
+        tags[DP_MASK_KEY] = mask
+        tags[DP_DENOMINATOR_KEY] = np.full([1], self.denominator, np.float32)
+      yield xb, yb, tags
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
               prefetch: int = 2) -> tf.data.Dataset:
@@ -228,27 +237,47 @@ class Sampler:
       # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
       for step in self._step_range(start_step, num_steps):
         idx, mask = self._element_indices(step)
-        yield idx.astype(np.int64), (np.ones(rows, bool) if mask is None else mask)
+        yield np.int64(step), idx.astype(np.int64), (np.ones(rows, bool) if mask is None
+                                                      else mask)
 
     indices = tf.data.Dataset.from_generator(
-        index_stream, output_signature=(tf.TensorSpec([rows], tf.int64),
+        index_stream, output_signature=(tf.TensorSpec([], tf.int64),
+                                        tf.TensorSpec([rows], tf.int64),
                                         tf.TensorSpec([rows], tf.bool)))
     with_mask = self.sampling == "poisson"
     denominator = float(self.denominator) if with_mask else None
 
-    def gather(idx, mask):
+    kind = ledger_lib.KIND_CODES[self.sampling]
+    fingerprint = self.fingerprint
+
+    def gather(step, idx, mask):
       xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
       yb = tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t)
-      if not with_mask:
-        return xb, yb
-      return xb, yb, {DP_MASK_KEY: mask,
-                      DP_DENOMINATOR_KEY: tf.constant(denominator, tf.float32)}
+      tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
+              ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
+              ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64))}
+      if with_mask:
+        tags[DP_MASK_KEY] = mask
+        tags[DP_DENOMINATOR_KEY] = tf.constant(denominator, tf.float32)
+      return xb, yb, tags
 
     return indices.map(gather, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
 
   @property
   def _rows_per_element(self) -> int:
     return self.batch_size
+
+  @property
+  def fingerprint(self) -> int:
+    """:func:`tf_dpnsgd.ledger.sampler_fingerprint` of this sampler (public fields only)."""
+    return ledger_lib.sampler_fingerprint(self.sampling, self.dataset_size, self.batch_size)
+
+  def tags(self, step: int, rows: int) -> dict:
+    """The per-row tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`)."""
+    return {ledger_lib.DP_KIND_KEY: np.full([rows], ledger_lib.KIND_CODES[self.sampling],
+                                            np.int32),
+            ledger_lib.DP_STEP_KEY: np.full([rows], step, np.int64),
+            ledger_lib.DP_SAMPLER_KEY: np.full([rows], self.fingerprint, np.int64)}
 
   @property
   def denominator(self) -> float:

@@ -26,13 +26,14 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import DPOptimizerMixin
 from tf_dpnsgd import per_example as per_example_lib
 
-DP_MASK_KEY = "dp_mask"
-DP_DENOMINATOR_KEY = "dp_denominator"
+DP_MASK_KEY = ledger_lib.DP_MASK_KEY  # kept here for backward compatibility
+DP_DENOMINATOR_KEY = ledger_lib.DP_DENOMINATOR_KEY
 
 _MIXING_LAYERS = (keras.layers.BatchNormalization,)
 
@@ -65,24 +66,13 @@ def validate_layers(model) -> None:
 
 
 def parse_dp_weights(sample_weight):
-  """Splits the third batch element into ``(mask, denominator)``; rejects anything else."""
-  if sample_weight is None:
-    return None, None
-  if isinstance(sample_weight, dict) and DP_MASK_KEY in sample_weight:
-    unknown = set(sample_weight) - {DP_MASK_KEY, DP_DENOMINATOR_KEY}
-    if unknown:
-      raise ValueError(f"Unknown keys {sorted(unknown)} in the DP batch weights.")
-    mask = tf.cast(sample_weight[DP_MASK_KEY], tf.bool)
-    if DP_DENOMINATOR_KEY not in sample_weight:
-      raise ValueError(
-          f"A '{DP_MASK_KEY}' batch needs '{DP_DENOMINATOR_KEY}' (the expected batch size "
-          "qN for Poisson sampling); use tf_dpnsgd.sampling to build such batches.")
-    return mask, tf.reshape(tf.cast(sample_weight[DP_DENOMINATOR_KEY], tf.float32), [])
-  raise ValueError(
-      "DP training does not accept `sample_weight` or `class_weight`: weights change each "
-      "example's contribution and hence the sensitivity the privacy guarantee relies on. "
-      "Resample or reweight the loss instead; Poisson-sampled batches from "
-      "tf_dpnsgd.sampling carry their own padding mask.")
+  """Splits the third batch element into ``(mask, denominator)``; rejects anything else.
+
+  (Kept for compatibility; the train step uses :func:`tf_dpnsgd.ledger.parse_batch_weights`,
+  which also returns the sampler's tags.)
+  """
+  mask, denominator, _ = ledger_lib.parse_batch_weights(sample_weight)
+  return mask, denominator
 
 
 def split_chunks(x, start, size):
@@ -104,6 +94,9 @@ class _DPTrainer:
     self._dp_physical_batch_size = physical_batch_size
     self._dp_loss_fn = None
     self._dp_engine = None
+    if not isinstance(getattr(self, "privacy_ledger", None), ledger_lib.PrivacyLedger):
+      # Model state (saved with the weights), written only by the train step.
+      self.privacy_ledger = ledger_lib.PrivacyLedger()
 
   @property
   def physical_batch_size(self):
@@ -211,11 +204,18 @@ class _DPTrainer:
 
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    mask, denominator = parse_dp_weights(sample_weight)
+    mask, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
     optimizer = self.optimizer
     num_microbatches = optimizer.num_microbatches
     variables = self.trainable_variables
+    ledger = self.privacy_ledger
 
+    # Phase 0: refuse a batch that does not continue the ledger (replay, skip, other
+    # sampling) before anything is computed or applied.
+    checks = ledger.check(tags)
+    with tf.control_dependencies(checks):
+      x = tf.nest.map_structure(tf.identity, x)
+      step = tf.identity(ledger.step())
     out = self._contributions(x, y, mask, num_microbatches)
     batch = per_example_lib.vectorized.batch_size_of(x)
     local = denominator is None
@@ -223,7 +223,9 @@ class _DPTrainer:
       denominator = tf.cast(num_microbatches or batch, tf.float32)
     public_grads, reg_loss = self._public_gradients(variables)
     optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads,
-                                      local_denominator=local)
+                                      local_denominator=local, step=step)
+    with tf.control_dependencies(checks):
+      ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
 
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
     y_pred = out.y_pred
