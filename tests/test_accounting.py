@@ -166,14 +166,77 @@ def test_zero_steps_spend_nothing():
 # ---------------------------------------------------------------------------
 # The paper's bound.
 # ---------------------------------------------------------------------------
+def thm11_holds(q, s):
+  """Bun, Dwork, Rothblum, Steinke (2018) Thm. 11's hypotheses, written out independently of
+  the library: q < 0.1 (the paper's form), rho = 1/(2 s^2) <= 0.1, log(1/q) >= 3 rho (2 +
+  log2(1/rho)), and some order covered, (s^2/2) log(1/q) > 1."""
+  rho = 1.0 / (2.0 * s * s)
+  return (q < 0.1 and rho <= 0.1
+          and math.log(1.0 / q) >= 3.0 * rho * (2.0 + math.log(1.0 / rho) / math.log(2.0))
+          and s * s / 2.0 * math.log(1.0 / q) > 1.0)
+
+
 def test_paper_bound_values_and_range():
-  orders = [1.0, 2.0, 5.0, 6.33, 6.34, 50.0]
-  rdp = acc.paper_subsampled_gaussian_rdp(0.02, 1.8, orders)
-  limit = 0.5 * 1.8 ** 2 * math.log(50)  # 6.337...
-  assert acc.paper_order_limit(0.02, 1.8) == pytest.approx(limit)
-  expected = [math.inf, 7 * 0.02 ** 2 * 2 / 1.8 ** 2, 7 * 0.02 ** 2 * 5 / 1.8 ** 2,
-              7 * 0.02 ** 2 * 6.33 / 1.8 ** 2, math.inf, math.inf]
+  # s = 2.5: rho = 1/12.5 = 0.08 <= 0.1; log(50) = 3.912 >= 3 * 0.08 * (2 + 3.644) = 1.355.
+  orders = [1.0, 2.0, 5.0, 12.2, 12.25, 50.0]
+  rdp = acc.paper_subsampled_gaussian_rdp(0.02, 2.5, orders)
+  limit = 0.5 * 2.5 ** 2 * math.log(50)  # 12.225...
+  assert acc.paper_order_limit(0.02, 2.5) == pytest.approx(limit)
+  expected = [math.inf, 7 * 0.02 ** 2 * 2 / 2.5 ** 2, 7 * 0.02 ** 2 * 5 / 2.5 ** 2,
+              7 * 0.02 ** 2 * 12.2 / 2.5 ** 2, math.inf, math.inf]
   np.testing.assert_allclose(rdp, expected)
+  # s = 1.8: rho = 1/6.48 = 0.154 > 0.1, the theorem claims nothing at any order.
+  assert np.all(np.isinf(acc.paper_subsampled_gaussian_rdp(0.02, 1.8, orders)))
+
+
+def test_paper_bound_within_all_conditions_is_seven_q2_alpha_over_s2():
+  # N = 50000, B = 1000 (q = 0.02), sigma = 6 under replace-one: s = 3, rho = 1/18 = 0.0556
+  # <= 0.1; log(1/q) = log 50 = 3.912 >= 3 (1/18) (2 + log2 18) = 1.028; limit (9/2) log 50
+  # = 17.60 > 1. Per step: 7 * 0.02^2 * alpha / 9 = 3.111e-4 alpha.
+  spec = acc.make_spec(50000, 1000, "uniform", bound="paper", orders=(2.0, 10.0, 17.0, 18.0))
+  assert thm11_holds(0.02, 3.0) and acc.paper_bound_conditions(0.02, 3.0) == []
+  curve = acc.rdp_curve(spec, 6.0)
+  limit = 4.5 * math.log(50)
+  np.testing.assert_allclose(curve.orders, [2.0, 10.0, 17.0, limit, 18.0])
+  by_hand = [7 * 0.02 ** 2 * a / 9 for a in (2.0, 10.0, 17.0, limit)] + [math.inf]
+  np.testing.assert_allclose(curve.rdp, by_hand, rtol=1e-12)
+  assert curve.rdp[0] == pytest.approx(6.2222e-4, rel=1e-4)
+  assert set(curve.source) == {"paper"} and curve.notes == ()
+
+
+def test_paper_bound_refused_at_the_cifar_eps2_sigma_naming_rho():
+  # The paper's epsilon-2 CIFAR-10 setting: N = 50000, B = 1000, sigma = 3.6. Under
+  # replace-one s = 3.6 / 2 = 1.8, rho = 1 / (2 * 1.8^2) = 1 / 6.48 = 0.1543 > 0.1.
+  with pytest.raises(acc.PaperBoundConditionError, match=r"rho = 0\.1543 > 0\.1") as info:
+    acc.compute_epsilon(50000, 1000, 3.6, DELTA, "uniform", epochs=100, bound="paper")
+  assert info.value.condition == "rho"
+  assert "Thm. 11" in str(info.value) and "s = sigma/2 = 1.8" in str(info.value)
+  assert [c for c, _ in acc.paper_bound_conditions(0.02, 1.8)] == ["rho"]
+  assert not thm11_holds(0.02, 1.8)
+  # rho <= 0.1 iff s >= sqrt(5) = 2.2361, i.e. sigma >= 4.4721.
+  assert acc.paper_bound_conditions(0.02, math.sqrt(5) * (1 + 1e-12)) == []
+  assert [c for c, _ in acc.paper_bound_conditions(0.02, math.sqrt(5) * (1 - 1e-9))] == ["rho"]
+
+
+def test_paper_bound_log_condition():
+  # With rho <= 0.1 the log condition cannot fail while q < 0.1: its right side
+  # 3 rho (2 + log2(1/rho)) grows with rho and is 3 * 0.1 * (2 + 3.3219) = 1.5966 at rho =
+  # 0.1, below log(1/q) > log(10) = 2.3026. So it only fails for q > e^-1.5966 = 0.2026,
+  # where q < 0.1 fails too. s = 2.5: rho = 0.08, right side 0.24 * (2 + log2 12.5) =
+  # 0.24 * 5.644 = 1.3545.
+  #   q = 0.30: log(1/0.3) = 1.2040 < 1.3545 -> fails (and q < 0.1 fails);
+  #   q = 0.25: log(4) = 1.3863 >= 1.3545 -> holds (only q < 0.1 fails).
+  failed = dict(acc.paper_bound_conditions(0.3, 2.5))
+  assert set(failed) == {"sampling_ratio", "log_sampling_ratio"}
+  assert "1.204 < 1.355" in failed["log_sampling_ratio"]
+  assert [c for c, _ in acc.paper_bound_conditions(0.25, 2.5)] == ["sampling_ratio"]
+  # Redundancy, on a grid: q < 0.1 and rho <= 0.1 leave nothing else to fail.
+  for q in (1e-4, 0.01, 0.05, 0.0999):
+    for s in (math.sqrt(5) * (1 + 1e-12), 2.5, 4.0, 30.0):
+      assert thm11_holds(q, s) and acc.paper_bound_conditions(q, s) == []
+  # Far outside: every sigma-dependent condition fails, the first is named.
+  failed = [c for c, _ in acc.paper_bound_conditions(0.02, 0.5)]  # rho = 2
+  assert failed == ["rho", "log_sampling_ratio", "order_range"]
 
 
 def test_paper_bound_uses_replace_one_sensitivity():
@@ -194,9 +257,12 @@ def test_paper_bound_conditions_raise_and_say_which():
   assert info.value.condition == "sampling_ratio"
   with pytest.raises(acc.PaperBoundConditionError, match="B < 0.1 N"):
     acc.make_spec(1000, 200, "uniform", bound="min")
+  # sigma = 1: s = 0.5, rho = 2 > 0.1; log 50 = 3.91 < 3 * 2 * (2 - 1) = 6; (0.25/2) log 50
+  # = 0.49 <= 1. All three fail; "rho" is named first, the message lists all.
   with pytest.raises(acc.PaperBoundConditionError, match="no order is covered") as info:
     acc.compute_epsilon(50000, 1000, 1.0, DELTA, "uniform", steps=10, bound="paper")
-  assert info.value.condition == "order_range"
+  assert info.value.condition == "rho"
+  assert "rho = 2 > 0.1" in str(info.value) and "log(1/q) = 3.912 < 6" in str(info.value)
 
 
 def test_min_bound_is_pointwise_minimum_and_uses_each_bound():
@@ -211,10 +277,26 @@ def test_min_bound_is_pointwise_minimum_and_uses_each_bound():
   eps = {bound: acc.compute_epsilon(n, b, sigma, DELTA, "uniform", steps=steps, bound=bound)
          for bound in acc.BOUNDS}
   assert eps["min"].epsilon <= min(eps["default"].epsilon, eps["paper"].epsilon) + 1e-12
-  # Where the paper's bound covers no order, "min" is the dp-accounting bound, and says so.
+  # Where the paper's bound does not apply, "min" is the dp-accounting bound, and says so.
   low = acc.compute_epsilon(50000, 1000, 1.0, DELTA, "uniform", steps=10, bound="min")
   assert low.epsilon == acc.compute_epsilon(50000, 1000, 1.0, DELTA, "uniform", steps=10).epsilon
-  assert any("covers no order" in note for note in low.notes)
+  assert any("does not apply" in note for note in low.notes)
+
+
+def test_min_bound_at_cifar_eps2_sigma_is_dp_accounting_alone():
+  # sigma = 3.6: rho = 0.1543 > 0.1 (see above), so the paper's bound is not used at all.
+  kwargs = dict(dataset_size=50000, batch_size=1000, noise_multiplier=3.6, delta=DELTA,
+                sampling="uniform", epochs=100, conversion="classic")
+  low = acc.compute_epsilon(bound="min", **kwargs)
+  alone = acc.compute_epsilon(**kwargs)
+  assert low.epsilon == alone.epsilon and low.optimal_order == alone.optimal_order
+  assert low.optimal_bound == "dp-accounting"
+  assert any("does not apply" in n and "rho = 0.1543 > 0.1" in n for n in low.notes)
+  spec = acc.make_spec(50000, 1000, "uniform", bound="min")
+  curve = acc.rdp_curve(spec, 3.6)
+  np.testing.assert_array_equal(
+      curve.rdp, acc.rdp_curve(acc.make_spec(50000, 1000, "uniform"), 3.6).rdp)
+  assert set(curve.source) == {"dp-accounting"}
 
 
 # ---------------------------------------------------------------------------
@@ -303,6 +385,34 @@ def test_calibration_with_paper_bound_skips_uncovered_sigmas():
   spec = acc.make_spec(100000, 100, "uniform", bound="paper", orders=SMALL_ORDERS)
   sigma = acc.calibrate_noise_multiplier(spec, 1.0, 1000, DELTA)
   assert acc.epsilon_for(spec, sigma, 1000, DELTA) <= 1.0
+  assert thm11_holds(100 / 100000, sigma / 2)
+
+
+@pytest.mark.parametrize("n,steps,target", [(67349, 673, 8.0), (50000, 5000, 2.0)])
+def test_calibration_with_paper_bound_returns_a_sigma_where_thm11_applies(n, steps, target):
+  tol = 1e-3
+  spec = acc.make_spec(n, 1000, "uniform", bound="paper", conversion="classic")
+  sigma = acc.calibrate_noise_multiplier(spec, target, steps, DELTA, tolerance=tol)
+  assert thm11_holds(1000 / n, sigma / 2)  # independent of the library's check
+  assert acc.epsilon_for(spec, sigma, steps, DELTA) <= target
+  if n == 67349:
+    # SST-2 (q = 0.01485, T = 673): at the threshold sigma = 2 sqrt(5) = 4.4721 (rho = 0.1)
+    # the bound already gives about 3.3 < 8, so the rho condition, not the target, sets sigma:
+    # the result is within the tolerance above 4.4721, and just below it is refused.
+    assert 2 * math.sqrt(5) < sigma <= 2 * math.sqrt(5) + tol
+    assert not thm11_holds(1000 / n, (sigma - tol) / 2)
+    with pytest.raises(acc.PaperBoundConditionError) as info:
+      acc.epsilon_for(spec, sigma - tol, steps, DELTA)
+    assert info.value.condition == "rho"
+  report = acc.calibrate(n, 1000, target, DELTA, "uniform", steps=steps, bound="paper",
+                         conversion="classic", tolerance=tol)
+  assert report.noise_multiplier == sigma
+  set_by_conditions = any("set by the conditions" in note for note in report.notes)
+  assert set_by_conditions == (n == 67349)
+  if n != 67349:
+    # CIFAR-10 epsilon 2: sigma = 26.450 (s = 13.2, rho = 0.0029), the target binds.
+    assert sigma == pytest.approx(26.450, abs=2 * tol)
+    assert acc.epsilon_for(spec, sigma - tol, steps, DELTA) > target
 
 
 # ---------------------------------------------------------------------------

@@ -102,6 +102,8 @@ def test_public_dict_has_no_seed():
     (dict(sampling="poisson", bound="paper"), "WITHOUT replacement"),
     (dict(steps=0), "zero steps"),
     (dict(sampling="uniform", max_batch_size=300), "Poisson sampling only"),
+    # sigma 3.6 under replace-one: rho = 0.154 > 0.1, outside Bun et al.'s Thm 11.
+    (dict(sampling="uniform", bound="paper", noise_multiplier=3.6), "rho"),
 ])
 def test_plan_rejects_bad_input(change, match):
   fields = dict(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)

@@ -79,6 +79,9 @@ def test_readable_statement(parse, capsys):
       "--noise_multiplier=1", "--sampling=poisson"], "0 steps"),
     (["--dataset_size=60000", "--batch_size=6000", "--steps=10", "--delta=1e-5",
       "--noise_multiplier=30", "--sampling=uniform", "--bound=paper"], "B < 0.1 N"),
+    # The paper's epsilon-2 CIFAR-10 sigma: s = 1.8, rho = 0.1543 > 0.1 (Bun et al. Thm. 11).
+    (CIFAR + ["--noise_multiplier=3.6", "--sampling=uniform", "--bound=paper"],
+     "rho = 0.1543 > 0.1"),
 ])
 def test_bad_input_exits_with_a_message_and_no_number(parse, capsys, args, match):
   with pytest.raises(SystemExit) as info:

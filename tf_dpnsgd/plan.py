@@ -105,6 +105,10 @@ class PrivacyPlan:
     self.spec  # validates the sampling/accountant/bound/conversion combination
     if self.num_steps == 0:
       raise ValueError("The plan has zero steps (floor(epochs * N / B) = 0).")
+    if self.noise_multiplier is not None:
+      # Fail now, not at the first callback, when the accountant cannot account for this
+      # sigma (e.g. bound="paper" outside Bun et al.'s Thm 11).
+      self.step_accountant  # pylint: disable=pointless-statement
     # Fix the seed now, so every sampler and record of this plan agrees on it.
     object.__setattr__(self, "seed", self.sampler.seed)
 

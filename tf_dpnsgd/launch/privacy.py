@@ -46,8 +46,10 @@ flags.DEFINE_enum("sampling", None, list(accounting.SAMPLINGS),
                   "permutations; no amplification claimed).")
 flags.DEFINE_enum("accountant", "rdp", list(accounting.ACCOUNTANTS), "dp-accounting accountant.")
 flags.DEFINE_enum("bound", "default", list(accounting.BOUNDS),
-                  "uniform + rdp only: default (dp-accounting), paper (the paper's bound), min "
-                  "(pointwise minimum of both RDP curves).")
+                  "uniform + rdp only: default (dp-accounting), paper (the paper's bound; "
+                  "refused unless Bun et al. 2018 Thm. 11 applies: B < 0.1 N and rho = "
+                  "2/sigma^2 <= 0.1, i.e. sigma >= 4.472), min (pointwise minimum of both RDP "
+                  "curves; dp-accounting's alone where the paper's bound does not apply).")
 flags.DEFINE_enum("conversion", "modern", list(accounting.CONVERSIONS),
                   "RDP -> (epsilon, delta): modern (dp-accounting) or classic (Mironov 2017).")
 flags.DEFINE_float("tolerance", 1e-3, "Absolute tolerance of the calibrated noise multiplier.")
