@@ -154,11 +154,13 @@ class PrivacyLedger(keras.layers.Layer):
     """The index of the step being taken (= steps taken so far); keys the noise."""
     return self._steps.value
 
-  def check(self, tags) -> list:
+  def check(self, tags, offset=0) -> list:
     """Assert ops refusing a batch that does not continue this ledger (see module doc).
 
     Args:
       tags: ``None`` (an untagged batch) or a dict with :data:`TAG_KEYS`.
+      offset: the batch is the ``offset``-th of those about to run (host-side
+        checks of several batches before one multi-step call).
 
     Returns:
       The assert ops; run the step under ``tf.control_dependencies`` on them.
@@ -167,7 +169,7 @@ class PrivacyLedger(keras.layers.Layer):
       kind = tf.constant(KIND_CODES[UNTAGGED], tf.int32)
     else:
       kind = tf.cast(tags[DP_KIND_KEY][0], tf.int32)
-    steps = self._steps.value
+    steps = self._steps.value + tf.cast(offset, tf.int64)
     expected = self._expected_kind.value
     recorded = self._kind.value
     ops = [
@@ -221,6 +223,45 @@ class PrivacyLedger(keras.layers.Layer):
     if user_seeded:
       ops.append(self._user_seeded.assign_add(tf.constant(1, tf.int64)))
     return ops
+
+
+def check_batches_on_host(model) -> None:
+  """Wraps ``model.train_function`` so each batch's tags are checked before the step runs.
+
+  XLA (``jit_compile=True``) compiles assertions away, so the in-step checks of
+  :meth:`PrivacyLedger.check` would silently vanish. The wrapper takes the
+  ``steps_per_execution`` batches of a call from the iterator, checks each one
+  in a separate (non-XLA) function that raises on a mismatch, and only then
+  runs the compiled step on them.
+  """
+  ledger = ledger_of(model)
+  inner = model.train_function
+  strategy = model.distribute_strategy
+
+  @tf.function(jit_compile=False, reduce_retracing=True)
+  def check(data, offset):
+    def replica_check(data):
+      _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+      _, _, tags = parse_batch_weights(sample_weight)
+      with tf.control_dependencies(ledger.check(tags, offset)):
+        return tf.constant(True)
+    return strategy.run(replica_check, args=(data,))
+
+  def function(iterator):
+    stream = iter(iterator)
+    batches = []
+    for _ in range(max(1, int(model.steps_per_execution))):
+      try:
+        batches.append(next(stream))
+      except StopIteration:
+        if not batches:
+          raise
+        break
+    for offset, data in enumerate(batches):
+      check(data, tf.constant(offset, tf.int64))
+    return inner(batches)
+
+  model.train_function = function
 
 
 def ledger_of(model) -> PrivacyLedger:

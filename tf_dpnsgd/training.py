@@ -26,6 +26,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import transforms
@@ -82,9 +83,18 @@ def split_chunks(x, start, size):
 class _DPTrainer:
   """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
 
-  _dp_keys = ("per_example", "physical_batch_size")
+  _dp_keys = ("per_example", "physical_batch_size", "num_microbatches")
 
-  def _set_dp_options(self, per_example="auto", physical_batch_size=None):
+  def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None):
+    if num_microbatches is not None and (
+        isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+        or num_microbatches < 1):
+      raise ValueError(f"`num_microbatches` must be a positive integer or None; "
+                       f"got {num_microbatches!r}.")
+    if num_microbatches is not None and physical_batch_size is not None:
+      raise ValueError("physical_batch_size cannot be combined with num_microbatches; "
+                       "the microbatch is already the unit of computation.")
+    self._dp_num_microbatches = num_microbatches
     if physical_batch_size is not None and (
         isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int)
         or physical_batch_size < 1):
@@ -106,9 +116,20 @@ class _DPTrainer:
   def per_example(self):
     return self._dp_per_example
 
+  @property
+  def num_microbatches(self):
+    return self._dp_num_microbatches
+
   def _dp_config(self):
     return {"per_example": self._dp_per_example,
-            "physical_batch_size": self._dp_physical_batch_size}
+            "physical_batch_size": self._dp_physical_batch_size,
+            "num_microbatches": self._dp_num_microbatches}
+
+  def _microbatches(self):
+    """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
+    if self._dp_num_microbatches is not None:
+      return self._dp_num_microbatches
+    return getattr(self.optimizer, "num_microbatches", None)
 
   # --- compile -------------------------------------------------------------
   def compile(self, optimizer=None, loss=None, loss_weights=None, metrics=None,
@@ -135,6 +156,7 @@ class _DPTrainer:
     super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                     jit_compile=jit_compile, **kwargs)
     self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
+    self._dp_interaction_guard = interaction.InteractionGuard()  # probe the next batch
 
   def compile_from_config(self, config):
     """Restores ``compile`` (with its DP optimizer) when a saved model is loaded."""
@@ -144,6 +166,19 @@ class _DPTrainer:
       self.optimizer.build(self.trainable_variables)
 
   # --- train step ----------------------------------------------------------
+  def make_train_function(self, force=False):
+    """Keras' train function; its first call after ``compile`` probes the batch for
+    interacting examples before the step (:mod:`tf_dpnsgd.interaction`)."""
+    if self.train_function is None or force:
+      if self.built and self.optimizer is not None and not self.optimizer.built:
+        # Create the optimizer's variables now, not inside the traced (maybe XLA) step.
+        with self.distribute_strategy.scope():
+          self.optimizer.build(self.trainable_variables)
+      interaction.build_train_function(self, super().make_train_function)
+      if self.jit_compile:
+        ledger_lib.check_batches_on_host(self)
+    return self.train_function
+
   def _contributions(self, x, y, mask, num_microbatches):
     """Phase 2: the engine, possibly over physical chunks of the logical batch."""
     engine = self._dp_engine
@@ -205,17 +240,21 @@ class _DPTrainer:
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mask, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
+    # Phase 0: refuse a batch that does not continue the ledger (replay, skip, other
+    # sampling). Every op of the step is created under control dependencies on the
+    # checks, so a refused step changes nothing (weights, optimizer state, ledger,
+    # metrics). Under XLA, which drops assertions, the same checks run on the host
+    # before the step (see make_train_function).
+    with tf.control_dependencies(self.privacy_ledger.check(tags)):
+      return self._private_step(x, y, mask, denominator, tags)
+
+  def _private_step(self, x, y, mask, denominator, tags):
     optimizer = self.optimizer
-    num_microbatches = optimizer.num_microbatches
+    num_microbatches = self._microbatches()
     variables = self.trainable_variables
     ledger = self.privacy_ledger
-
-    # Phase 0: refuse a batch that does not continue the ledger (replay, skip, other
-    # sampling) before anything is computed or applied.
-    checks = ledger.check(tags)
-    with tf.control_dependencies(checks):
-      x = tf.nest.map_structure(tf.identity, x)
-      step = tf.identity(ledger.step())
+    x = tf.nest.map_structure(tf.identity, x)
+    step = tf.identity(ledger.step())
     out = self._contributions(x, y, mask, num_microbatches)
     batch = per_example_lib.vectorized.batch_size_of(x)
     local = denominator is None
@@ -224,8 +263,7 @@ class _DPTrainer:
     public_grads, reg_loss = self._public_gradients(variables)
     optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads,
                                       local_denominator=local, step=step)
-    with tf.control_dependencies(checks):
-      ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
+    ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
 
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
     y_pred = out.y_pred
@@ -297,6 +335,10 @@ class DPModel(_DPTrainer, keras.Model):
     physical_batch_size: process each logical batch in chunks of at most this
       many examples (same result and privacy, less memory); noise is still
       added once per logical batch.
+    num_microbatches: if set, the mean gradient of each of this many
+      consecutive microbatches is the normalized/clipped unit
+      (tensorflow-privacy's option); the denominator is the number of
+      microbatches. Not with Poisson batches nor ``physical_batch_size``.
 
   Example::
 
@@ -307,9 +349,10 @@ class DPModel(_DPTrainer, keras.Model):
       model.fit(x, y, batch_size=256)
   """
 
-  def __init__(self, *args, per_example="auto", physical_batch_size=None, **kwargs):
+  def __init__(self, *args, per_example="auto", physical_batch_size=None, num_microbatches=None,
+               **kwargs):
     super().__init__(*args, **kwargs)
-    self._set_dp_options(per_example, physical_batch_size)
+    self._set_dp_options(per_example, physical_batch_size, num_microbatches)
 
   def get_config(self):
     config = super().get_config()
@@ -329,10 +372,11 @@ class DPModel(_DPTrainer, keras.Model):
 class PrivateModelWrapper(_DPTrainer, keras.Model):
   """DP training around a subclassed Keras model (made by :func:`make_private`)."""
 
-  def __init__(self, model, per_example="auto", physical_batch_size=None, **kwargs):
+  def __init__(self, model, per_example="auto", physical_batch_size=None, num_microbatches=None,
+               **kwargs):
     super().__init__(**kwargs)
     self.model = model
-    self._set_dp_options(per_example, physical_batch_size)
+    self._set_dp_options(per_example, physical_batch_size, num_microbatches)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
@@ -350,7 +394,8 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
     return cls(**config)
 
 
-def make_private(model: keras.Model, per_example="auto", physical_batch_size=None) -> keras.Model:
+def make_private(model: keras.Model, per_example="auto", physical_batch_size=None,
+                 num_microbatches=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   Functional and Sequential models become a :class:`DPModel` over the same
@@ -370,7 +415,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs = outputs = None
   if inputs is not None and outputs is not None:
     return DPModel(inputs=inputs, outputs=outputs, name=model.name, per_example=per_example,
-                   physical_batch_size=physical_batch_size)
+                   physical_batch_size=physical_batch_size, num_microbatches=num_microbatches)
   logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
   return PrivateModelWrapper(model, per_example=per_example,
-                             physical_batch_size=physical_batch_size, name=f"private_{model.name}")
+                             physical_batch_size=physical_batch_size,
+                             num_microbatches=num_microbatches, name=f"private_{model.name}")
