@@ -21,15 +21,19 @@ from tf_dpnsgd import noise
 from tf_dpnsgd import sampling
 from tf_dpnsgd import schedules
 from tf_dpnsgd import transforms
+from tf_dpnsgd.interaction import ExampleInteractionError
 from tf_dpnsgd.ledger import LedgerMismatchError, PrivacyLedger, ledger_of
 from tf_dpnsgd.plan import PrivacyPlan
-from tf_dpnsgd.optimizers import DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin
+from tf_dpnsgd.optimizers import (DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin,
+                                  PrivateOptimizer, make_private_optimizer)
 from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "DPModel", "PrivateModelWrapper",
+    "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "PrivateOptimizer",
+    "make_private_optimizer", "DPModel", "PrivateModelWrapper",
     "make_private", "validate_layers", "PrivacyPlan", "PrivacyLedger", "LedgerMismatchError",
+    "ExampleInteractionError",
     "ledger", "ledger_of", "accounting", "callbacks", "sampling", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
 ]

@@ -1,29 +1,43 @@
-"""DP optimizers: thin Keras 3 shells over :mod:`transforms` and :mod:`noise`.
+"""DP optimizers: any Keras optimizer made private, and the paper's four by name.
 
-Each optimizer owns (a) its per-example transform (normalize or clip), which
-reports the sensitivity, (b) the noise multiplier, and (c) the noise key: the
-user's ``seed`` (reproducibility experiments only; the privacy report says so)
-or, by default, a key drawn from the OS when the optimizer is built. The key is
-never a variable, so no checkpoint, ``.keras`` file or export holds it. The
-draw of each step is keyed by (key, the model's privacy-ledger step), not by an
-optimizer counter, so a recompile, a new optimizer or a resume continues the
-noise stream and never repeats a draw (:mod:`tf_dpnsgd.ledger`). The
-parameter update itself is Keras' own SGD or Adam applied to the privatized
-gradient.
+:func:`make_private_optimizer` wraps ANY Keras 3 optimizer (SGD with momentum,
+Adam, AdamW, Nadam, Lion, Adafactor, ...) in a :class:`PrivateOptimizer`,
+which owns
 
-The per-example gradients come from the model's train step
+(a) the per-example transform (:class:`~tf_dpnsgd.transforms.Normalize` for
+    DP-NSGD-style normalization, :class:`~tf_dpnsgd.transforms.Clip` for
+    DP-SGD-style clipping), which reports the sensitivity ``S``;
+(b) the noise multiplier ``sigma``;
+(c) the noise key: the user's ``seed`` (reproducibility experiments only; the
+    privacy report says so) or, by default, a key drawn from the OS when the
+    optimizer is built. The key is never a variable, so no checkpoint,
+    ``.keras`` file or export holds it. The draw of each step is keyed by
+    (key, the model's privacy-ledger step), not by an optimizer counter, so a
+    recompile, a new optimizer or a resume continues the noise stream and
+    never repeats a draw (:mod:`tf_dpnsgd.ledger`).
+
+and hands the privatized mean gradient to the wrapped optimizer, whose update
+rule (and state: momentum, moments, its step counter) is used unchanged. The
+wrapper is a composition, like Keras' own ``LossScaleOptimizer``: no class is
+generated and nothing in Keras is patched.
+
+:class:`DPNSGD`, :class:`DPSGD`, :class:`DPAdam` and :class:`DPNAdam` are thin
+names over the same mechanism with the paper's signatures.
+
+The per-example contributions come from the model's train step
 (:class:`tf_dpnsgd.DPModel` / :func:`tf_dpnsgd.make_private`), which calls
-:meth:`DPOptimizerMixin.apply_private_gradients` with the SUM of the
-transformed contributions. Calling ``apply_gradients`` directly with ordinary
+:meth:`PrivateOptimizer.apply_private_gradients` with the SUM of the
+transformed contributions. Calling ``apply``/``apply_gradients`` with ordinary
 gradients raises: it would silently train without privacy.
 
 Noise semantics (as tensorflow-privacy and Opacus): ``N(0, (sigma * S)^2)`` is
-added to the sum of contributions, with ``S`` the transform's sensitivity
-(1 for normalization, ``c`` for clipping), and the result is divided by the
+added to the sum of contributions, then the result is divided by the
 (expected) number of units in the batch.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import keras
 import tensorflow as tf
@@ -38,7 +52,6 @@ _RAW_APPLY_ERROR = (
     "before `compile`/`fit`; in a custom loop use `optimizer.apply_private_gradients(...)`."
 )
 
-
 _NOISE_TAG = 0x5EED  # separates the noise stream from other uses of the same seed
 
 
@@ -52,24 +65,95 @@ def _validate_num_microbatches(num_microbatches):
   return num_microbatches
 
 
-class DPOptimizerMixin:
-  """Privacy state and the private apply step shared by all DP optimizers."""
+def _validate_seed(seed):
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    raise ValueError(f"`seed` must be a non-negative integer or None; got {seed!r}.")
+  return seed
 
-  def _init_dp(self, transform, noise_multiplier, seed, num_microbatches, kwargs):
-    if kwargs.get("gradient_accumulation_steps"):
-      raise ValueError(
-          "`gradient_accumulation_steps` is not supported by DP optimizers: noise would be "
-          "added per accumulation step. Use `physical_batch_size` on DPModel/make_private to "
-          "process a large logical batch in chunks with noise added once.")
-    if kwargs.get("loss_scale_factor") is not None:
-      raise ValueError("`loss_scale_factor` is not supported by DP optimizers.")
+
+def make_transform(regularizer=None, l2_norm_clip=None) -> transforms.Transform:
+  """``Normalize(regularizer)`` or ``Clip(l2_norm_clip)``: exactly one must be given."""
+  if (regularizer is None) == (l2_norm_clip is None):
+    raise ValueError("Give exactly one of `regularizer` (per-example normalization, "
+                     "DP-NSGD) and `l2_norm_clip` (per-example clipping, DP-SGD).")
+  if regularizer is not None:
+    return transforms.Normalize(regularizer)
+  return transforms.Clip(l2_norm_clip)
+
+
+def _check_inner(inner) -> keras.optimizers.Optimizer:
+  if isinstance(inner, str) or isinstance(inner, dict):
+    inner = keras.optimizers.get(inner)
+  if isinstance(inner, PrivateOptimizer):
+    raise ValueError(f"{inner.name} is already private; wrap the plain optimizer once.")
+  if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+    raise ValueError("Wrap the plain optimizer; loss scaling is not supported by the DP "
+                     "train step (per-example contributions are computed in float32).")
+  if not isinstance(inner, keras.optimizers.Optimizer):
+    raise TypeError(f"Expected a Keras 3 optimizer; got {inner!r}.")
+  if getattr(inner, "gradient_accumulation_steps", None):
+    raise ValueError(
+        "`gradient_accumulation_steps` is not supported by DP optimizers: noise would be "
+        "added per accumulation step. Use `physical_batch_size` on DPModel/make_private to "
+        "process a large logical batch in chunks with noise added once.")
+  if getattr(inner, "loss_scale_factor", None) is not None:
+    raise ValueError("`loss_scale_factor` is not supported by DP optimizers.")
+  return inner
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class PrivateOptimizer(keras.optimizers.Optimizer):
+  """A Keras optimizer that privatizes summed per-example contributions, then steps.
+
+  Build it with :func:`make_private_optimizer` (or one of the named
+  subclasses). Attributes the wrapper does not define (``momentum``,
+  ``beta_1``, ...) are read from the wrapped optimizer.
+
+  Args:
+    inner_optimizer: any Keras 3 optimizer (instance, name or config).
+    noise_multiplier: ``sigma >= 0``; the noise std on the sum is ``sigma * S``.
+    regularizer / l2_norm_clip: exactly one (see :func:`make_transform`).
+    seed: a fixed noise seed, for reproducibility experiments only (the privacy
+      report says so); ``None`` (default) draws the key from the OS.
+    num_microbatches: deprecated here; give it to ``DPModel`` / ``make_private``.
+    name: the optimizer's name.
+
+  Formal guarantee: :meth:`privatize` returns ``(sum + N(0, (sigma S)^2 I)) / D``
+  with one draw per call, keyed by ``(key, step)``; given contributions of
+  norm at most ``S = transform.sensitivity`` this is the Gaussian mechanism
+  with noise multiplier ``sigma`` that :mod:`tf_dpnsgd.accounting` accounts.
+  """
+
+  def __init__(self, inner_optimizer, noise_multiplier=None, regularizer=None,
+               l2_norm_clip=None, seed=None, num_microbatches=None, name=None, **kwargs):
+    if kwargs:
+      raise ValueError(f"{type(self).__name__} does not take {sorted(kwargs)}; set optimizer "
+                       "options on the wrapped optimizer.")
+    if noise_multiplier is None:
+      raise ValueError("A private optimizer needs `noise_multiplier` (>= 0).")
+    transform = make_transform(regularizer, l2_norm_clip)
+    inner = _check_inner(inner_optimizer)
+    super().__init__(learning_rate=0.0, name=name or f"private_{inner.name}")
+    self.inner_optimizer = inner
     self.transform = transform
     self.noise_multiplier = noise_lib.validate_noise_multiplier(noise_multiplier)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-      raise ValueError(f"`seed` must be a non-negative integer or None; got {seed!r}.")
-    self.seed = seed
+    self.seed = _validate_seed(seed)
     self.num_microbatches = _validate_num_microbatches(num_microbatches)
+    if self.num_microbatches is not None:
+      warnings.warn("`num_microbatches` on the optimizer is deprecated: pass it to "
+                    "tf_dpnsgd.DPModel(...) / make_private(...), beside physical_batch_size.",
+                    DeprecationWarning, stacklevel=2)
     self._dp_applying = False
+    self._noise_key = None
+
+  # --- the transform's parameters ----------------------------------------------
+  @property
+  def regularizer(self):
+    return getattr(self.transform, "regularizer", None)
+
+  @property
+  def l2_norm_clip(self):
+    return getattr(self.transform, "l2_norm_clip", None)
 
   @property
   def noise_stddev(self) -> float:
@@ -78,23 +162,49 @@ class DPOptimizerMixin:
       return 0.0
     return self.noise_multiplier * self.transform.sensitivity
 
-  def build(self, variables):
+  # --- the wrapped optimizer's state and schedule -------------------------------
+  def __getattr__(self, name):
+    # Only reached when normal lookup fails: forward public attributes (momentum,
+    # beta_1, ...) to the wrapped optimizer.
+    if name.startswith("_") or "inner_optimizer" not in self.__dict__:
+      raise AttributeError(name)
+    return getattr(self.__dict__["inner_optimizer"], name)
+
+  @property
+  def learning_rate(self):
+    return self.inner_optimizer.learning_rate
+
+  @learning_rate.setter
+  def learning_rate(self, learning_rate):
+    self.inner_optimizer.learning_rate = learning_rate
+
+  @property
+  def iterations(self):
+    return self.inner_optimizer.iterations
+
+  @property
+  def variables(self):
+    return self._variables + self.inner_optimizer.variables
+
+  def build(self, var_list):
     if self.built:
       return
-    super().build(variables)
-    # The noise key: the user's seed, or one drawn from the OS for this optimizer object.
-    # It is a Python value, never a variable: no checkpoint, .keras file or export holds
-    # it. The draw of a step is keyed by (key, the model's ledger step), so a new
-    # optimizer (recompile, resume) continues the stream instead of repeating it.
+    self.inner_optimizer.build(var_list)
+    super().build(var_list)
+    # A Python value, never a variable: no checkpoint, .keras file or export holds it.
     self._noise_key = (self.seed if self.seed is not None else noise_lib.random_seed(),
                        _NOISE_TAG)
 
+  def finalize_variable_values(self, var_list):
+    self.inner_optimizer.finalize_variable_values(var_list)
+
+  # --- the private step ----------------------------------------------------------
   def privatize(self, summed, denominator, local_denominator=False, step=None):
     """Adds calibrated noise to the summed contributions and divides by ``denominator``.
 
     Under a ``tf.distribute`` strategy with several replicas, the per-replica
     sums are all-reduced first and every replica adds the SAME noise draw (same
-    seed and counter), so the noise enters once per logical batch.
+    key and step), so the noise enters once per logical batch.
 
     Args:
       summed: per-variable ``sum_i h_i g_i`` (each unit's contribution bounded
@@ -110,27 +220,31 @@ class DPOptimizerMixin:
     Returns:
       The privatized mean gradient, one tensor per variable.
     """
+    if step is None:
+      raise ValueError("privatize() needs `step`, the model's privacy-ledger step that keys "
+                       "the noise draw (the DP train step passes it).")
+    if self._noise_key is None:
+      raise RuntimeError("Build the optimizer before privatize() (its noise key is drawn "
+                         "at build time).")
     ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
+    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+    if replicas > 1:
       summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(summed))
       if local_denominator:
         denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                      tf.cast(denominator, tf.float32))
-    if step is None:
-      raise ValueError("privatize() needs `step`, the model's privacy-ledger step that keys "
-                       "the noise draw (the DP train step passes it).")
     seed = noise_lib.step_seed(tf.constant(self._noise_key, tf.int64), step)
     noisy = noise_lib.add_gaussian_noise(summed, self.noise_stddev, seed)
     denominator = tf.cast(denominator, tf.float32)
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
+    if replicas > 1:
       # Keras sums the replicas' gradients in apply_gradients; every replica
       # holds the same privatized mean, so each passes 1/R of it.
-      denominator = denominator * ctx.num_replicas_in_sync
+      denominator = denominator * replicas
     return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
   def apply_private_gradients(self, summed, denominator, variables, public_grads=None,
                               local_denominator=False, step=None):
-    """Privatizes ``summed`` and applies the update to ``variables``.
+    """Privatizes ``summed`` and applies the wrapped optimizer's update to ``variables``.
 
     Args:
       summed: per-variable sums of bounded per-unit contributions.
@@ -148,22 +262,117 @@ class DPOptimizerMixin:
       grads = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(grads, public_grads)]
     self._dp_applying = True
     try:
-      super().apply_gradients(zip(grads, variables))
+      self.inner_optimizer.apply_gradients(zip(grads, variables))
     finally:
       self._dp_applying = False
 
   def apply(self, grads, trainable_variables=None):
-    if not self._dp_applying:
-      raise RuntimeError(_RAW_APPLY_ERROR.format(name=type(self).__name__))
-    return super().apply(grads, trainable_variables)
+    raise RuntimeError(_RAW_APPLY_ERROR.format(name=type(self).__name__))
 
-  def _dp_config(self):
-    return {"noise_multiplier": self.noise_multiplier, "seed": self.seed,
-            "num_microbatches": self.num_microbatches}
+  def apply_gradients(self, grads_and_vars):
+    raise RuntimeError(_RAW_APPLY_ERROR.format(name=type(self).__name__))
+
+  def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    raise RuntimeError(_RAW_APPLY_ERROR.format(name=type(self).__name__))
+
+  # --- serialization ---------------------------------------------------------------
+  def _dp_config(self) -> dict:
+    return {"name": self.name, "noise_multiplier": self.noise_multiplier, "seed": self.seed,
+            "num_microbatches": self.num_microbatches, "regularizer": self.regularizer,
+            "l2_norm_clip": self.l2_norm_clip}
+
+  def get_config(self):
+    config = self._dp_config()
+    config["inner_optimizer"] = keras.saving.serialize_keras_object(self.inner_optimizer)
+    return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    config["inner_optimizer"] = keras.saving.deserialize_keras_object(
+        config["inner_optimizer"], custom_objects=custom_objects)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return cls(**config)
+
+
+def make_private_optimizer(optimizer, *, noise_multiplier, regularizer=None, l2_norm_clip=None,
+                           seed=None) -> PrivateOptimizer:
+  """Returns ``optimizer`` made private: per-example normalization or clipping, then noise.
+
+  Args:
+    optimizer: any Keras 3 optimizer (instance, or a name like ``"adamw"``); its
+      update rule is applied to the privatized mean gradient unchanged.
+    noise_multiplier: ``sigma >= 0`` (noise std on the sum: ``sigma * S``).
+    regularizer: ``r > 0``: normalize each example, ``h_i = 1/(r + ||g_i||)``
+      (DP-NSGD; sensitivity 1).
+    l2_norm_clip: ``c > 0``: clip each example to norm ``c`` (DP-SGD;
+      sensitivity ``c``). Exactly one of ``regularizer`` and ``l2_norm_clip``.
+    seed: fixed noise seed for reproducibility experiments only; ``None`` (the
+      default) draws an OS key.
+
+  >>> opt = make_private_optimizer(keras.optimizers.AdamW(1e-3), noise_multiplier=1.0,
+  ...                              l2_norm_clip=1.0)
+  >>> opt.transform.sensitivity, opt.noise_stddev
+  (1.0, 1.0)
+  """
+  return PrivateOptimizer(optimizer, noise_multiplier=noise_multiplier, regularizer=regularizer,
+                          l2_norm_clip=l2_norm_clip, seed=seed)
+
+
+# Kept for code that checks ``isinstance(opt, DPOptimizerMixin)``.
+DPOptimizerMixin = PrivateOptimizer
+
+
+class _Named(PrivateOptimizer):
+  """A named private optimizer: ``get_config`` mirrors ``__init__`` (Keras style)."""
+
+  _inner_cls = None
+  _inner_keys = ()  # the inner optimizer's arguments that appear in the signature
+
+  def __init__(self, learning_rate, regularizer, l2_norm_clip, noise_multiplier, seed,
+               num_microbatches, name, inner_kwargs, base_kwargs):
+    unknown = set(base_kwargs) - _BASE_KEYS
+    if unknown:
+      raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(unknown)}.")
+    if noise_multiplier is None or (regularizer is None and l2_norm_clip is None):
+      raise ValueError(f"{type(self).__name__} needs `{self._signature[0]}` (> 0) and "
+                       "`noise_multiplier` (>= 0).")
+    inner = self._inner_cls(learning_rate=learning_rate, **inner_kwargs, **base_kwargs)
+    super().__init__(inner, noise_multiplier=noise_multiplier, regularizer=regularizer,
+                     l2_norm_clip=l2_norm_clip, seed=seed, num_microbatches=num_microbatches,
+                     name=name or type(self).__name__.lower())
+
+  _signature = ()
+
+  def get_config(self):
+    inner = self.inner_optimizer.get_config()
+    config = {k: inner[k] for k in ("learning_rate",) + self._inner_keys}
+    config.update({k: inner[k] for k in _BASE_KEYS if k in inner})
+    dp = self._dp_config()
+    for key in ("name", "noise_multiplier", "seed", "num_microbatches") + self._signature:
+      config[key] = dp[key]
+    return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    if isinstance(config.get("learning_rate"), dict):
+      config["learning_rate"] = keras.saving.deserialize_keras_object(
+          config["learning_rate"], custom_objects=custom_objects)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return cls(**config)
+
+
+# Options of keras.optimizers.Optimizer that the named optimizers pass through.
+_BASE_KEYS = frozenset({"weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                        "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+                        "gradient_accumulation_steps"})
 
 
 @keras.saving.register_keras_serializable(package="tf_dpnsgd")
-class DPNSGD(DPOptimizerMixin, keras.optimizers.SGD):
+class DPNSGD(_Named):
   """DP-NSGD: SGD on the noised mean of normalized per-example gradients.
 
   Update: ``w <- w - lr * (sum_i g_i / (r + ||g_i||) + N(0, sigma^2 I)) / B``
@@ -173,32 +382,25 @@ class DPNSGD(DPOptimizerMixin, keras.optimizers.SGD):
     learning_rate: float or schedule.
     regularizer: ``r > 0`` in ``h_i = 1/(r + ||g_i||)``.
     noise_multiplier: ``sigma >= 0``; noise std on the sum is ``sigma * 1``.
-    seed: int for reproducible noise; ``None`` draws an OS-random seed.
-    num_microbatches: if set, the mean gradient of each of this many
-      microbatches is the normalized unit (tensorflow-privacy's option).
+    seed: fixed noise seed (reproducibility experiments only); ``None`` draws an OS key.
+    num_microbatches: deprecated here (give it to ``DPModel``/``make_private``).
     momentum, nesterov, **kwargs: as ``keras.optimizers.SGD``.
 
   References: Yang et al. (2022), Algorithm 1.
   """
 
+  _inner_cls = keras.optimizers.SGD
+  _inner_keys = ("momentum", "nesterov")
+  _signature = ("regularizer",)
+
   def __init__(self, learning_rate=0.01, regularizer=None, noise_multiplier=None, seed=None,
                num_microbatches=None, momentum=0.0, nesterov=False, name=None, **kwargs):
-    if regularizer is None or noise_multiplier is None:
-      raise ValueError("DPNSGD needs `regularizer` (> 0) and `noise_multiplier` (>= 0).")
-    transform = transforms.Normalize(regularizer)
-    super().__init__(learning_rate=learning_rate, momentum=float(momentum), nesterov=nesterov,
-                     name=name, **kwargs)
-    self._init_dp(transform, noise_multiplier, seed, num_microbatches, kwargs)
-    self.regularizer = transform.regularizer
-
-  def get_config(self):
-    config = super().get_config()
-    config.update(self._dp_config(), regularizer=self.regularizer)
-    return config
+    super().__init__(learning_rate, regularizer, None, noise_multiplier, seed, num_microbatches,
+                     name, {"momentum": float(momentum), "nesterov": nesterov}, kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_dpnsgd")
-class DPSGD(DPOptimizerMixin, keras.optimizers.SGD):
+class DPSGD(_Named):
   """DP-SGD: SGD on the noised mean of clipped per-example gradients.
 
   Update: ``w <- w - lr * (sum_i min(1, c/||g_i||) g_i + N(0, (sigma c)^2 I)) / B``.
@@ -211,24 +413,18 @@ class DPSGD(DPOptimizerMixin, keras.optimizers.SGD):
     seed, num_microbatches, momentum, nesterov, **kwargs: as :class:`DPNSGD`.
   """
 
+  _inner_cls = keras.optimizers.SGD
+  _inner_keys = ("momentum", "nesterov")
+  _signature = ("l2_norm_clip",)
+
   def __init__(self, learning_rate=0.01, l2_norm_clip=None, noise_multiplier=None, seed=None,
                num_microbatches=None, momentum=0.0, nesterov=False, name=None, **kwargs):
-    if l2_norm_clip is None or noise_multiplier is None:
-      raise ValueError("DPSGD needs `l2_norm_clip` (> 0) and `noise_multiplier` (>= 0).")
-    transform = transforms.Clip(l2_norm_clip)
-    super().__init__(learning_rate=learning_rate, momentum=float(momentum), nesterov=nesterov,
-                     name=name, **kwargs)
-    self._init_dp(transform, noise_multiplier, seed, num_microbatches, kwargs)
-    self.l2_norm_clip = transform.l2_norm_clip
-
-  def get_config(self):
-    config = super().get_config()
-    config.update(self._dp_config(), l2_norm_clip=self.l2_norm_clip)
-    return config
+    super().__init__(learning_rate, None, l2_norm_clip, noise_multiplier, seed, num_microbatches,
+                     name, {"momentum": float(momentum), "nesterov": nesterov}, kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_dpnsgd")
-class DPAdam(DPOptimizerMixin, keras.optimizers.Adam):
+class DPAdam(_Named):
   """DP-Adam: Adam on the noised mean of clipped per-example gradients (sensitivity ``c``).
 
   Args:
@@ -236,25 +432,20 @@ class DPAdam(DPOptimizerMixin, keras.optimizers.Adam):
     l2_norm_clip, noise_multiplier, seed, num_microbatches: as :class:`DPSGD`.
   """
 
+  _inner_cls = keras.optimizers.Adam
+  _inner_keys = ("beta_1", "beta_2", "epsilon", "amsgrad")
+  _signature = ("l2_norm_clip",)
+
   def __init__(self, learning_rate=0.001, l2_norm_clip=None, noise_multiplier=None, seed=None,
                num_microbatches=None, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False,
                name=None, **kwargs):
-    if l2_norm_clip is None or noise_multiplier is None:
-      raise ValueError("DPAdam needs `l2_norm_clip` (> 0) and `noise_multiplier` (>= 0).")
-    transform = transforms.Clip(l2_norm_clip)
-    super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-                     amsgrad=amsgrad, name=name, **kwargs)
-    self._init_dp(transform, noise_multiplier, seed, num_microbatches, kwargs)
-    self.l2_norm_clip = transform.l2_norm_clip
-
-  def get_config(self):
-    config = super().get_config()
-    config.update(self._dp_config(), l2_norm_clip=self.l2_norm_clip)
-    return config
+    super().__init__(learning_rate, None, l2_norm_clip, noise_multiplier, seed, num_microbatches,
+                     name, {"beta_1": beta_1, "beta_2": beta_2, "epsilon": epsilon,
+                            "amsgrad": amsgrad}, kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_dpnsgd")
-class DPNAdam(DPOptimizerMixin, keras.optimizers.Adam):
+class DPNAdam(_Named):
   """DP-NAdam: Adam on the noised mean of normalized per-example gradients (sensitivity 1).
 
   "NAdam" here is the paper's *normalized* Adam, not Nesterov-Adam.
@@ -264,18 +455,17 @@ class DPNAdam(DPOptimizerMixin, keras.optimizers.Adam):
     regularizer, noise_multiplier, seed, num_microbatches: as :class:`DPNSGD`.
   """
 
+  _inner_cls = keras.optimizers.Adam
+  _inner_keys = ("beta_1", "beta_2", "epsilon", "amsgrad")
+  _signature = ("regularizer",)
+
   def __init__(self, learning_rate=0.001, regularizer=None, noise_multiplier=None, seed=None,
                num_microbatches=None, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False,
                name=None, **kwargs):
-    if regularizer is None or noise_multiplier is None:
-      raise ValueError("DPNAdam needs `regularizer` (> 0) and `noise_multiplier` (>= 0).")
-    transform = transforms.Normalize(regularizer)
-    super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-                     amsgrad=amsgrad, name=name, **kwargs)
-    self._init_dp(transform, noise_multiplier, seed, num_microbatches, kwargs)
-    self.regularizer = transform.regularizer
+    super().__init__(learning_rate, regularizer, None, noise_multiplier, seed, num_microbatches,
+                     name, {"beta_1": beta_1, "beta_2": beta_2, "epsilon": epsilon,
+                            "amsgrad": amsgrad}, kwargs)
 
-  def get_config(self):
-    config = super().get_config()
-    config.update(self._dp_config(), regularizer=self.regularizer)
-    return config
+
+__all__ = ["DPAdam", "DPNAdam", "DPNSGD", "DPOptimizerMixin", "DPSGD", "PrivateOptimizer",
+           "make_private_optimizer", "make_transform"]
