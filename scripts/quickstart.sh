@@ -2,7 +2,8 @@
 # Main job: fresh virtual environment, install, then train DP-NSGD offline on
 # scikit-learn's handwritten digits (shipped with scikit-learn), printing
 # accuracy and epsilon per epoch; writes a SavedModel and privacy_report.json
-# under runs/quickstart/.
+# under runs/quickstart/. The DP noise and batch sampling take fresh OS seeds in
+# every run, so the final accuracy varies a little between runs (not bit-identical).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"

@@ -35,7 +35,6 @@ def _trained_image_model():
 
 def test_image_export_matches_in_memory_model_on_raw_pixels(tmp_path):
   model = _trained_image_model()
-  assert "dpnsgd/dp_noise_seed" in {v.path for v in model.optimizer.variables}
   export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
 
   pixels = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3)).astype(np.uint8)
@@ -63,9 +62,7 @@ def test_export_holds_no_optimizer_state(tmp_path):
 def test_optimizer_state_check_catches_a_leak(tmp_path):
   model = _trained_image_model()
   module = tf.Module()
-  secret = next(v for v in model.optimizer.variables if v.path.endswith("dp_noise_seed"))
-  module.seed = secret.value  # the tf.Variable behind it
-  assert module.seed.name.startswith("dpnsgd/dp_noise_seed")
+  module.seed = tf.Variable([1234, 0x5EED], dtype=tf.int64, name="dpnsgd/dp_noise_seed")
   tf.saved_model.save(module, str(tmp_path / "leaky"))
   with pytest.raises(RuntimeError, match=r"optimizer state \['dpnsgd/dp_noise_seed'\]"):
     export.check_no_optimizer_state(tmp_path / "leaky")
@@ -136,3 +133,50 @@ def test_write_privacy_report_refuses(tmp_path, fields, error, match):
   with pytest.raises(error, match=match):
     export.write_privacy_report(tmp_path / "r.json", **fields)
   assert not (tmp_path / "r.json").exists()
+
+
+# --- RNG state ------------------------------------------------------------------------
+def test_export_holds_no_rng_state_of_dropout(tmp_path):
+  """Dropout's SeedGenerator state (derived from the run's seed) is not exported; serving
+  (training=False) still reproduces the model."""
+  keras.utils.set_random_seed(7)
+  inputs = keras.Input((8, 8, 3), name="image")
+  x = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+  x = keras.layers.Dropout(0.5)(keras.layers.GlobalAveragePooling2D()(x))
+  x = keras.layers.Dense(8, activation="tanh")(x)
+  outputs = keras.layers.Dense(3)(keras.layers.Dropout(0.3)(x))
+  base = keras.Model(inputs, outputs)
+  model = tf_dpnsgd.make_private(base)
+  model.compile(optimizer=_dp_optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.default_rng(0)
+  model.fit(rng.normal(size=(8, 8, 8, 3)).astype("float32"), rng.integers(0, 3, 8),
+            batch_size=4, epochs=2, verbose=0)
+  rng_state = export.rng_state_variables(model)
+  assert len(rng_state) == 2 and all("seed_generator" in v.path for v in rng_state)
+
+  # The DP model's export (it also holds the privacy ledger: counters, no seed) ...
+  dp_dir = export.export_image_classifier(model, tmp_path / "dp", None, None)
+  assert not any(export.RNG_STATE_VARIABLE.search(n) or n in {v.path for v in rng_state}
+                 for n in export.exported_variable_names(dp_dir))
+  # ... and the trained Keras model's (what the launchers export): weights only.
+  export_dir = export.export_image_classifier(base, tmp_path / "dropout", None, None)
+  loaded = tf.saved_model.load(export_dir)
+  names = [v.name for v in loaded.variables] + export.exported_variable_names(export_dir)
+  assert names and not any("seed" in n for n in names), names
+  assert all(v.dtype.is_floating for v in loaded.variables)  # no int/uint RNG counters
+  pixels = rng.normal(size=(5, 8, 8, 3)).astype("float32")
+  logits = np.asarray(model(pixels, training=False))
+  out = loaded.signatures["serving_default"](images=tf.constant(pixels))
+  np.testing.assert_allclose(out["logits"].numpy(), logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(out["class_ids"].numpy(), logits.argmax(-1))
+
+
+def test_rng_state_check_catches_a_leak(tmp_path):
+  layer = keras.layers.Dropout(0.5, seed=3)
+  layer.build((None, 2))
+  module = tf.Module()
+  module.state = layer.seed_generator.state.value
+  tf.saved_model.save(module, str(tmp_path / "leaky"))
+  with pytest.raises(RuntimeError, match="RNG state"):
+    export.check_no_rng_state(tmp_path / "leaky")

@@ -80,16 +80,31 @@ def test_cifar10_local_pickles_export_and_resume(tmp_path):
       first["final_metrics"]["accuracy"], abs=1e-6)
 
 
+def progress_counts(stdout):
+  """The ``k/n`` step counts Keras' progress bar printed (colours and redraws removed)."""
+  import re
+  plain = re.sub(r"\x1b\[[0-9;]*m", "", stdout).replace("\r", "\n").replace("\b", "\n")
+  return re.findall(r"(?m)^\s*(\d+)/(\d+) ", plain)
+
+
 def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
   preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
-  fixtures.write_sst2_tsv(tmp_path / "glue")
+  # 48 sentences, batch 8: 6 steps per epoch, of which --max_steps=3 run.
+  train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 4
+  fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
   run = tmp_path / "run"
-  launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-         "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=2",
-         "--sequence_length=16", "--seed=0", f"--model_dir={run}", f"--export_dir={tmp_path}/export",
-         "--optimizer=dpsgd", "--l2_norm_clip=0.5")
+  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
+               "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=2",
+               "--sequence_length=16", "--seed=0", f"--model_dir={run}",
+               f"--export_dir={tmp_path}/export", "--optimizer=dpsgd", "--l2_norm_clip=0.5",
+               "--verbose=1")
   rep = report(run)
   assert rep["steps"] == 3 and rep["preset"] == preset and rep["freeze_embeddings"] is True
+  # The progress bar counts the 3 steps that ran (it used to finalize at 6/6, and say
+  # "Epoch 1/2" for a run that never reaches epoch 2).
+  counts = progress_counts(out.stdout)
+  assert counts and counts[-1] == ("3", "3") and {n for _, n in counts} == {"3"}, counts
+  assert "Epoch 1/2" not in out.stdout
   assert rep["hyperparameters"]["optimizer"] == "dpsgd"
   from tf_dpnsgd import export
   serve = export.load_serving_fn(str(tmp_path / "export"))
@@ -106,13 +121,16 @@ def test_cifar10_through_tfds_mock_data(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "exactly one of --noise_multiplier"),
+    (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "only one of --noise_multiplier"),
+    (["--optimizer=sgd", "--noise_multiplier=1.0"], "--optimizer=sgd trains without privacy"),
     (["--batch_size=5000"], "larger than the training set"),
     (["--regularizer=0"], "--regularizer must be > 0"),
 ])
 def test_bad_flags_fail_before_training(args, message):
   out = launch("tf_dpnsgd.launch.quickstart", "--epochs=1", *args, check=False)
   assert out.returncode != 0 and message in out.stderr
+  assert "Traceback" not in out.stderr and "FATAL" in out.stderr  # a flag error, one line
+  assert "epoch" not in out.stdout
 
 
 def test_missing_data_names_expected_layout(tmp_path):
@@ -161,3 +179,152 @@ def test_existing_export_dir_fails_before_training(tmp_path):
                f"--export_dir={tmp_path}/export", check=False)
   assert out.returncode != 0 and "Checked before training" in out.stderr
   assert not (tmp_path / "run" / "history.json").exists()
+
+
+# --- the privacy flags: --noise_multiplier alone, --optimizer=sgd, the default epsilon -----
+def parse_launcher_flags(*args, **defaults):
+  """Parses ``args`` with the shared launcher flags (launcher defaults: target epsilon 4)."""
+  from absl import flags
+  from tf_dpnsgd.launch import common
+  fv = flags.FlagValues()
+  common.define_flags(fv, **{"target_epsilon": 4.0, **defaults})
+  fv(["launcher", *args])
+  return common.config_from_flags(fv)
+
+
+def test_privacy_flags_resolve_against_the_launcher_default(tmp_path):
+  def pair(*args):
+    cfg = parse_launcher_flags(*args)
+    return cfg.noise_multiplier, cfg.target_epsilon
+
+  assert pair() == (None, 4.0)                              # neither: the launcher's default
+  assert pair("--noise_multiplier=1.2") == (1.2, None)      # the paper's flag alone
+  assert pair("--target_epsilon=2") == (None, 2.0)
+  assert pair("--optimizer=sgd") == (None, None)            # the non-private baseline
+  assert not parse_launcher_flags("--optimizer=sgd").private
+  flagfile = tmp_path / "eps8.flags"
+  flagfile.write_text("--target_epsilon=8\n")
+  assert pair(f"--flagfile={flagfile}") == (None, 8.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--noise_multiplier=1.2", "--target_epsilon=2"], "only one of"),
+    (["--optimizer=sgd", "--target_epsilon=2"], "trains without privacy"),
+    (["--optimizer=sgd", "--noise_multiplier=1"], "trains without privacy"),
+    (["--regularizer=0"], "--regularizer must be > 0"),
+    (["--optimizer=dpsgd", "--l2_norm_clip=-1"], "--l2_norm_clip must be > 0"),
+    (["--physical_batch_size=512"], "--physical_batch_size"),
+])
+def test_bad_flag_combinations_are_flag_errors(tmp_path, args, message):
+  from absl import flags
+  with pytest.raises(flags.IllegalFlagValueError, match=message):
+    parse_launcher_flags(*args)
+
+
+def test_flag_file_epsilon_and_command_line_sigma_conflict(tmp_path):
+  from absl import flags
+  flagfile = tmp_path / "eps8.flags"
+  flagfile.write_text("--target_epsilon=8\n")
+  with pytest.raises(flags.IllegalFlagValueError, match="only one of"):
+    parse_launcher_flags(f"--flagfile={flagfile}", "--noise_multiplier=1.2")
+
+
+def test_noise_multiplier_alone_and_sgd_run_and_runs_differ(tmp_path):
+  """The quickstart (default --target_epsilon=4, --seed=0) with --noise_multiplier alone, twice:
+  both run, and the releases differ (noise and sampling seeds come from the OS); then sgd."""
+  losses = []
+  for i in range(2):
+    out = launch("tf_dpnsgd.launch.quickstart", "--noise_multiplier=1.2", "--max_steps=3",
+                 f"--model_dir={tmp_path}/run{i}")
+    assert "Traceback" not in out.stderr
+    rep = report(tmp_path / f"run{i}")
+    assert rep["noise_multiplier"] == 1.2 and rep["hyperparameters"]["target_epsilon"] is None
+    assert rep["steps"] == 3 and rep["hyperparameters"]["noise_multiplier"] == 1.2
+    losses.append(rep["final_metrics"]["loss"])
+  assert losses[0] != losses[1]
+  out = launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--learning_rate=0.5",
+               "--max_steps=3", f"--model_dir={tmp_path}/sgd")
+  rep = report(tmp_path / "sgd")
+  assert rep["private"] is False and rep["epsilon"] is None and rep["steps"] == 3
+  assert "non-private" in out.stdout
+
+
+# --- seeds: public --seed, secret noise/sampler seeds never logged or recorded ---------
+def test_seed_flag_keys_neither_the_noise_nor_the_sampler():
+  from tf_dpnsgd.launch import common
+  cfg = common.ExperimentConfig(target_epsilon=4.0, batch_size=10, seed=0)
+  assert common.make_optimizer(cfg, 1.0, 10).seed is None  # the optimizer draws an OS seed
+  seeds = {common.make_plan(cfg, 100).seed for _ in range(3)}
+  assert len(seeds) == 3 and 0 not in seeds
+
+
+def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd):
+  """A run's logs, stdout/stderr and every file it writes (checkpoint, privacy state,
+  history, report, TensorBoard, SavedModel) hold neither the sampler nor the noise seed."""
+  import logging as py_logging
+
+  import keras
+  from absl import logging as absl_logging
+  from tf_dpnsgd import export
+  from tf_dpnsgd.launch import common
+
+  seen = {}
+  make_plan, make_optimizer = common.make_plan, common.make_optimizer
+  monkeypatch.setattr(common, "make_plan",
+                      lambda *a, **k: seen.setdefault("plan", make_plan(*a, **k)))
+  monkeypatch.setattr(common, "make_optimizer",
+                      lambda *a, **k: seen.setdefault("optimizer", make_optimizer(*a, **k)))
+  absl_logging.set_verbosity(absl_logging.INFO)
+  caplog.set_level(py_logging.INFO)
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 4, 4, 1)).astype("float32")
+  y = (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
+
+  def build():
+    inputs = keras.Input((4, 4, 1))
+    h = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(inputs))
+    h = keras.layers.Dropout(0.2)(h)
+    return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+  run, export_dir = tmp_path / "run", tmp_path / "export"
+  cfg = common.ExperimentConfig(target_epsilon=8.0, batch_size=16, epochs=1.0, seed=0,
+                                verbose=2, model_dir=str(run), export_dir=str(export_dir))
+  common.run_experiment(cfg, build, (x, y), (x[:16], y[:16]),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        export_fn=lambda m, d: export.export_image_classifier(m, d, None, None),
+                        print_fn=common.print_epoch)
+  plan, optimizer = seen["plan"], seen["optimizer"]
+  secrets = {"sampler": plan.seed}
+  key = getattr(optimizer, "_noise_key", None)
+  if key is not None:
+    secrets["noise"] = int(key[0])
+  else:
+    var = next(v for v in optimizer.variables if v.path.endswith("dp_noise_seed"))
+    secrets["noise"] = int(np.asarray(var.numpy())[0])
+  out, err = capfd.readouterr()
+  text = caplog.text + out + err
+  assert "Privacy plan" in text  # the plan is logged (its public fields)
+  files = [os.path.join(d, f) for root in (run, export_dir) for d, _, fs in os.walk(root)
+           for f in fs]
+  assert any(f.endswith("checkpoint.weights.h5") for f in files)
+  assert any(f.endswith("history.json") for f in files)
+  assert any(f.endswith("saved_model.pb") for f in files)
+  assert any("tensorboard" in f for f in files)
+  for name, seed in secrets.items():
+    assert str(seed) not in text, f"{name} seed logged"
+    needles = (str(seed).encode(), int(seed).to_bytes(8, "little", signed=True))
+    for path in files:
+      with open(path, "rb") as f:
+        data = f.read()
+      assert not any(n in data for n in needles), f"{name} seed in {path}"
+
+
+def test_shuffle_run_refuses_to_resume_mid_epoch(tmp_path):
+  """Sampler seeds are never saved, so a shuffle run resumed inside an epoch would draw a
+  new permutation for its rest (examples repeated within the epoch): refused, one line."""
+  common = ["--sampling=shuffle", "--epochs=1", f"--model_dir={tmp_path}/run"]
+  launch("tf_dpnsgd.launch.quickstart", *common, "--max_steps=2")  # 11 steps per epoch
+  out = launch("tf_dpnsgd.launch.quickstart", *common, "--max_steps=4", check=False)
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "Cannot resume this --sampling=shuffle run at step 2" in out.stderr

@@ -229,3 +229,77 @@ def test_sweep_end_to_end_and_resume(tmp_path):
   assert not os.path.exists(tmp_path / "dry" / "cells")
   assert {p["panel"] for p in plan["panels"]} == {"epsilon = 1", "epsilon = 4"}
   assert all(math.isfinite(p["privacy"]["naive_composition"]["epsilon"]) for p in plan["panels"])
+
+
+# ---------------------------------------------------------------------------
+# Non-private cells (optimizer=sgd) and flag errors.
+# ---------------------------------------------------------------------------
+def strict_json(path):
+  """Loads JSON refusing NaN/Infinity (which `json` writes for float inf but is not JSON)."""
+  def refuse(constant):
+    raise ValueError(f"{path}: non-standard JSON constant {constant}")
+  with open(path) as f:
+    return json.load(f, parse_constant=refuse)
+
+
+def test_sgd_cells_drop_the_fixed_privacy_flags_and_refuse_privacy_axes():
+  opts = sweep.SweepOptions(base="mnist", sweep_dir="x",
+                            axes=(sweep.Axis.parse("optimizer=dpnsgd,sgd"),),
+                            fixed=(("target_epsilon", "4"), ("epochs", "1")))
+  dp, sgd = sweep.expand_grid(opts.axes)
+  assert opts.cell_argv(dp) == ["--target_epsilon=4", "--epochs=1", "--optimizer=dpnsgd"]
+  assert opts.cell_argv(sgd) == ["--epochs=1", "--optimizer=sgd"]
+  axes = (sweep.Axis.parse("optimizer=dpnsgd,sgd"), sweep.Axis.parse("target_epsilon=2,4"))
+  opts = sweep.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
+  with pytest.raises(sweep.SweepError, match="condition that axis"):
+    sweep.check_cells(opts, sweep.expand_grid(axes))
+  axes = (sweep.Axis.parse("optimizer=dpnsgd,sgd"),
+          sweep.Axis.parse("target_epsilon=2,4@optimizer=dpnsgd"))
+  opts = sweep.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
+  sweep.check_cells(opts, sweep.expand_grid(axes))  # fine: conditioned on the private cells
+
+
+def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
+  args = ["--base=quickstart", "--fixed=epochs=2", "--grid=optimizer=dpnsgd,sgd", "--dry_run"]
+  out = run_sweep(*args, f"--sweep_dir={tmp_path}/dry")
+  assert "non-private" in out
+  plan = strict_json(tmp_path / "dry" / "plan.json")
+  rows = {c["optimizer"]: c for c in plan["cells"]}
+  assert rows["sgd"]["epsilon"] is None and rows["sgd"]["private"] is False
+  assert 0 < rows["dpnsgd"]["epsilon"] <= 4.0 + 1e-9  # the quickstart's default target
+  for bad, message in ((["--grid=target_epsilon=2,4"], "condition that axis"),
+                       (["--fixed=noise_multiplier=1", "--fixed=target_epsilon=2"], "only one"),
+                       (["--fixed=regularizer=0"], "--regularizer must be > 0")):
+    proc = subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.sweep", *args, *bad],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "FATAL sweep error" in proc.stderr and message in proc.stderr
+
+
+def test_sweep_with_a_non_private_cell(tmp_path):
+  """A real 2-cell sweep, DP-NSGD and the sgd baseline: results, report (strict JSON),
+  heatmaps and summary handle the non-private cell; cell logs hold no seed."""
+  data = write_tiny_mnist(tmp_path / "tiny.npz", n_train=100, n_test=50)
+  sweep_dir = tmp_path / "sweep"
+  out = run_sweep("--base=mnist", f"--fixed=data_path={data}", "--fixed=epochs=1",
+                  "--fixed=batch_size=50", "--fixed=width=8", "--fixed=target_epsilon=4",
+                  "--grid=optimizer=dpnsgd,sgd", f"--sweep_dir={sweep_dir}")
+  assert "non-private" in out
+  with open(sweep_dir / "results.csv") as f:
+    rows = {r["optimizer"]: r for r in csv.DictReader(f)}
+  assert all(r["status"] == "finished" for r in rows.values())
+  assert rows["sgd"]["private"] == "False" and rows["sgd"]["epsilon"] == ""
+  assert rows["dpnsgd"]["private"] == "True" and 0 < float(rows["dpnsgd"]["epsilon"]) <= 4 + 1e-9
+  results = strict_json(sweep_dir / "results.json")
+  assert {c["optimizer"]: c["epsilon"] for c in results["cells"]}["sgd"] is None
+  report = strict_json(sweep_dir / "report.json")
+  assert report["finished"] == 2 and len(report["heatmaps"]) == 2
+  assert report["whole_sweep"]["runs"] == 1  # only the private cell is accounted
+  for path in report["heatmaps"]:
+    assert os.path.getsize(path) > 5000
+  sgd_png = next(p for p in report["heatmaps"] if p.endswith("optimizer_sgd.png"))
+  assert plots.read_annotations(sgd_png)["panels"][0]["title"] == "non-private"
+  for cell in os.listdir(sweep_dir / "cells"):
+    with open(sweep_dir / "cells" / cell / "log.txt") as f:
+      log = f.read()
+    assert "Traceback" not in log and '"seed"' not in log and "seed=" not in log

@@ -4,13 +4,15 @@ The exports take what a user has (raw pixels, raw sentences): normalization
 or tokenization happens inside. Signature ``serving_default`` returns
 ``logits``, ``probabilities`` (softmax) and ``class_ids`` (argmax, int64).
 
-Formal guarantee: an export holds only the variables its serving functions
-read (the model's weights), never the optimizer state. In particular the DP
-noise seed and draw counter (optimizer variables ``dp_noise_seed`` and
-``dp_noise_draws``) are never written: whoever knows them can regenerate and
-subtract the noise, which voids the privacy guarantee. Each export is checked
-after writing (:func:`check_no_optimizer_state`) and deleted if the check
-fails. (The models are exported through ``keras.export.ExportArchive``,
+Formal guarantee: an export holds only the model's weights, never the
+optimizer state nor any RNG state. In particular the DP noise seed and draw
+counter (optimizer variables ``dp_noise_seed`` and ``dp_noise_draws``) are
+never written: whoever knows them can regenerate and subtract the noise,
+which voids the privacy guarantee. Nor are the Keras ``SeedGenerator`` states
+of Dropout / RandomFlip / ... layers (derived from the run's seed; serving
+runs with ``training=False`` and never reads them). Each export is checked
+after writing (:func:`check_no_optimizer_state`, :func:`check_no_rng_state`)
+and deleted if a check fails. (The models are exported through ``keras.export.ExportArchive``,
 which saves the variables the endpoints use; Keras checkpoints
 ``model.save(...)``, in contrast, do include the optimizer.)
 
@@ -38,6 +40,7 @@ from tf_dpnsgd.data import cifar10
 
 SIGNATURE = "serving_default"
 SECRET_VARIABLE = re.compile(r"(^|/)dp_noise_(seed|draws)(:\d+)?$")
+RNG_STATE_VARIABLE = re.compile(r"seed_generator")  # Keras SeedGenerator state paths
 SECRET_FIELD = re.compile(r"(^|_)seed$")
 PUBLIC_SEED_FIELDS = ("data_seed", "shuffle_seed", "init_seed", "split_seed", "augment_seed")
 REPORT_FILE = "privacy_report.json"
@@ -135,14 +138,60 @@ def _write(export_dir, model, tracked, endpoints):
   archive = keras.export.ExportArchive()
   for resource in tracked:
     archive.track(resource)
+  rng_state = rng_state_variables(*tracked)
+  _untrack(archive, rng_state)
   for name, (fn, spec) in endpoints.items():
     archive.add_endpoint(name, fn, input_signature=[spec])
   archive.write_out(export_dir, verbose=False)
   try:
     check_no_optimizer_state(export_dir, getattr(model, "optimizer", None))
+    check_no_rng_state(export_dir, rng_state)
   except Exception:
     shutil.rmtree(export_dir, ignore_errors=True)
     raise
+
+
+# --- the RNG-state guarantee --------------------------------------------------
+def rng_state_variables(*resources) -> list:
+  """The Keras ``SeedGenerator`` state variables of ``resources`` and their sublayers
+  (Dropout, RandomFlip, GaussianNoise, ...)."""
+  out = []
+  for resource in resources:
+    if not isinstance(resource, keras.layers.Layer):
+      continue
+    for layer in resource._flatten_layers(include_self=True, recursive=True):
+      for generator in getattr(layer, "_seed_generators", ()) or ():
+        state = getattr(generator, "state", None)
+        if state is not None and all(state is not v for v in out):
+          out.append(state)
+    for v in resource.variables:  # generators not registered with a layer
+      if RNG_STATE_VARIABLE.search(v.path) and all(v is not w for w in out):
+        out.append(v)
+  return out
+
+
+def _untrack(archive, variables) -> None:
+  """Removes ``variables`` from the lists ``ExportArchive.track`` fills (they are
+  saved only if an endpoint reads them, which :func:`check_no_rng_state` refuses)."""
+  root = getattr(archive, "_tf_trackable", None)
+  if root is None or not variables:
+    return
+  for attr in ("variables", "trainable_variables", "non_trainable_variables"):
+    kept = [v for v in getattr(root, attr, []) if all(v is not w for w in variables)]
+    setattr(root, attr, kept)
+
+
+def check_no_rng_state(export_dir, rng_variables=()) -> None:
+  """Raises ``RuntimeError`` if the SavedModel holds RNG state: a Keras
+  ``SeedGenerator`` state (by name, or one of the paths of ``rng_variables``)."""
+  paths = {v.path for v in rng_variables}
+  leaked = sorted({name for name in exported_variable_names(export_dir)
+                   if RNG_STATE_VARIABLE.search(name) or name.split(":")[0] in paths})
+  if leaked:
+    raise RuntimeError(
+        f"The export '{export_dir}' contains RNG state {leaked} (seed-generator state of "
+        "random layers, derived from the run's seed); an export holds weights only. Does a "
+        "serving function call a random layer with training=True?")
 
 
 # --- the optimizer-state guarantee --------------------------------------------
@@ -276,6 +325,7 @@ def write_privacy_report(path, **fields):
   return path
 
 
-__all__ = ["check_no_optimizer_state", "classification_outputs", "export_image_classifier",
+__all__ = ["check_no_optimizer_state", "check_no_rng_state", "classification_outputs",
+           "export_image_classifier", "rng_state_variables",
            "export_text_classifier", "exported_variable_names", "load_serving_fn",
            "package_versions", "write_privacy_report"]

@@ -63,7 +63,7 @@ def main(argv):
   def augment_fn(dataset):
     dataset = pixels_to_float(dataset)
     if FLAGS.augment:
-      dataset = cifar_lib.augment_dataset(dataset, seed=cfg.seed if cfg.seed is not None else 0)
+      dataset = cifar_lib.augment_dataset(dataset, seed=cfg.seed)  # None: random
     return dataset
 
   def export_fn(model, export_dir):
@@ -76,8 +76,8 @@ def main(argv):
       extra_report={"dataset": "cifar10", "model": "resnet20_groupnorm",
                     "augment": FLAGS.augment, "groups": FLAGS.groups})
   print(f"test accuracy {report['final_metrics'].get('accuracy', float('nan')):.4f}; "
-        f"epsilon {report['epsilon']} after {report['steps']} steps")
+        f"{common.epsilon_text(report)} after {report['steps']} steps")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.main_with_usage_errors(main))

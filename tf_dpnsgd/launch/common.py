@@ -18,8 +18,20 @@ A run with ``model_dir`` writes there:
   accountant, steps, dataset size, hyperparameters, package versions and
   final metrics.
 
-The checkpoint holds the optimizer's noise seed: keep ``model_dir`` private;
-publish the ``export_dir`` SavedModel and the privacy report.
+Seeds. ``--seed`` fixes only what is public: initialisation and data order
+(the non-private shuffle, augmentation, dropout masks). The DP noise and the
+batch sampler always draw their seeds from the OS (a resumed run draws new
+ones), so two runs never release the same noise, and no seed is logged or
+written anywhere. A ``--sampling=shuffle`` run therefore resumes only at an
+epoch boundary (a new permutation mid-epoch would repeat examples within the
+epoch). Publish the ``export_dir`` SavedModel (which holds no optimizer or RNG
+state) and the privacy report.
+
+Flag errors (both ``--noise_multiplier`` and ``--target_epsilon`` given,
+``--optimizer=sgd`` with either, a regularizer <= 0, ...) are absl flag
+validators: one ``FATAL Flags parsing error`` line, exit status 1. When
+neither privacy flag is given, a private optimizer calibrates to the
+launcher's default ``--target_epsilon``.
 """
 
 from __future__ import annotations
@@ -43,6 +55,100 @@ from tf_dpnsgd.plan import PrivacyPlan
 
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd")
 SAMPLINGS = ("poisson", "uniform", "shuffle")
+PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
+_SGD_NOISE_MESSAGE = ("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
+                      "--target_epsilon, or choose a DP optimizer.")
+
+
+class LaunchError(ValueError):
+  """A user error found before training (flags that do not fit the data, an existing
+  export directory, ...): launchers print it as one line, without a traceback."""
+
+
+def _check_enums(d):
+  if d["optimizer"] not in OPTIMIZERS:
+    raise ValueError(f"--optimizer must be one of {OPTIMIZERS}; got {d['optimizer']!r}.")
+  if d["sampling"] not in SAMPLINGS:
+    raise ValueError(f"--sampling must be one of {SAMPLINGS}; got {d['sampling']!r}.")
+
+
+def _check_regularizer(d):
+  if d["optimizer"] in ("dpnsgd", "dpnadam") and not (d["regularizer"] or 0) > 0:
+    raise ValueError(f"--regularizer must be > 0 for {d['optimizer']}; got {d['regularizer']}.")
+
+
+def _check_clip(d):
+  if d["optimizer"] in ("dpsgd", "dpadam") and not (d["l2_norm_clip"] or 0) > 0:
+    raise ValueError(f"--l2_norm_clip must be > 0 for {d['optimizer']}; got {d['l2_norm_clip']}.")
+
+
+def _check_learning_rate(d):
+  if not (d["learning_rate"] is not None and d["learning_rate"] > 0):
+    raise ValueError(f"--learning_rate must be > 0; got {d['learning_rate']}.")
+
+
+def _check_max_steps(d):
+  if d["max_steps"] is not None and d["max_steps"] < 1:
+    raise ValueError(f"--max_steps must be >= 1; got {d['max_steps']}.")
+
+
+def _check_epochs(d):
+  if not (d["epochs"] is not None and d["epochs"] > 0):
+    raise ValueError(f"--epochs must be > 0; got {d['epochs']}.")
+
+
+def _check_batch_sizes(d):
+  if d["batch_size"] is None or d["batch_size"] < 1:
+    raise ValueError(f"--batch_size must be >= 1; got {d['batch_size']}.")
+  if d["physical_batch_size"] is not None and not 1 <= d["physical_batch_size"] <= d["batch_size"]:
+    raise ValueError(f"--physical_batch_size ({d['physical_batch_size']}) must lie in "
+                     f"[1, --batch_size ({d['batch_size']})].")
+
+
+# (flags read, check raising ValueError): run by ExperimentConfig and, at flag parsing, by
+# absl validators (so a bad combination is a one-line flag error, before anything loads).
+CHECKS = (
+    (("optimizer", "sampling"), _check_enums),
+    (("optimizer", "regularizer"), _check_regularizer),
+    (("optimizer", "l2_norm_clip"), _check_clip),
+    (("learning_rate",), _check_learning_rate),
+    (("max_steps",), _check_max_steps),
+    (("epochs",), _check_epochs),
+    (("batch_size", "physical_batch_size"), _check_batch_sizes),
+)
+
+
+def resolve_privacy(optimizer: str, noise_multiplier: Optional[float],
+                    target_epsilon: Optional[float], explicit=()) -> tuple:
+  """``(noise_multiplier, target_epsilon)`` of a run from the flag values.
+
+  ``explicit`` names the privacy flags given on the command line (or in a
+  flag file); the others hold the launcher's defaults. A private optimizer
+  uses the explicit one of the two, else the default (the launcher's target
+  epsilon); ``--optimizer=sgd`` uses neither.
+
+  Raises:
+    ValueError: both flags given explicitly; ``--optimizer=sgd`` with either
+      given explicitly; a private optimizer and no value at all.
+  """
+  given = {n for n in PRIVACY_FLAGS if n in explicit}
+  values = {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon}
+  given = {n for n in given if values[n] is not None}
+  if optimizer == "sgd":
+    if given:
+      raise ValueError(_SGD_NOISE_MESSAGE)
+    return None, None
+  if len(given) == 2:
+    raise ValueError("Give only one of --noise_multiplier and --target_epsilon (both were "
+                     "given).")
+  if given:
+    name = given.pop()
+    return ((noise_multiplier, None) if name == "noise_multiplier" else (None, target_epsilon))
+  if target_epsilon is not None:  # neither given: the launcher's default target epsilon
+    return None, target_epsilon
+  if noise_multiplier is not None:
+    return noise_multiplier, None
+  raise ValueError(f"--optimizer={optimizer} needs --noise_multiplier or --target_epsilon.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,84 +180,145 @@ class ExperimentConfig:
   verbose: int = 2
 
   def __post_init__(self):
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f"--optimizer must be one of {OPTIMIZERS}; got {self.optimizer!r}.")
-    if self.sampling not in SAMPLINGS:
-      raise ValueError(f"--sampling must be one of {SAMPLINGS}; got {self.sampling!r}.")
     if self.optimizer != "sgd":
       if (self.noise_multiplier is None) == (self.target_epsilon is None):
         raise ValueError("Give exactly one of --noise_multiplier and --target_epsilon "
                          "(both or neither were given).")
     elif self.noise_multiplier is not None or self.target_epsilon is not None:
-      raise ValueError("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
-                       "--target_epsilon, or choose a DP optimizer.")
-    if self.optimizer in ("dpnsgd", "dpnadam") and not (self.regularizer or 0) > 0:
-      raise ValueError(f"--regularizer must be > 0 for {self.optimizer}; got {self.regularizer}.")
-    if self.optimizer in ("dpsgd", "dpadam") and not (self.l2_norm_clip or 0) > 0:
-      raise ValueError(f"--l2_norm_clip must be > 0 for {self.optimizer}; got {self.l2_norm_clip}.")
-    if not self.learning_rate > 0:
-      raise ValueError(f"--learning_rate must be > 0; got {self.learning_rate}.")
-    if self.max_steps is not None and self.max_steps < 1:
-      raise ValueError(f"--max_steps must be >= 1; got {self.max_steps}.")
-    if not self.epochs > 0:
-      raise ValueError(f"--epochs must be > 0; got {self.epochs}.")
-    if self.physical_batch_size is not None and self.physical_batch_size > self.batch_size:
-      raise ValueError(f"--physical_batch_size ({self.physical_batch_size}) must not exceed "
-                       f"--batch_size ({self.batch_size}).")
+      raise ValueError(_SGD_NOISE_MESSAGE)
+    values = dataclasses.asdict(self)
+    for _, check in CHECKS:
+      check(values)
 
   @property
   def private(self) -> bool:
     return self.optimizer != "sgd"
 
   def hyperparameters(self) -> dict:
-    """The fields worth recording (no directories, no seed: it keys the sampler)."""
+    """The fields worth recording (no directories; no seed: the report writer refuses
+    ``seed`` fields, and --seed only fixes the initialisation)."""
     d = dataclasses.asdict(self)
     for k in ("model_dir", "export_dir", "seed", "verbose"):
       d.pop(k)
     return d
 
 
-def define_flags(**defaults) -> None:
-  """Defines the flags shared by every launcher; ``defaults`` override per experiment."""
+def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> None:
+  """Defines the flags shared by every launcher; ``defaults`` override per experiment.
+
+  Also registers the validators (:data:`CHECKS` and :func:`resolve_privacy`),
+  so a bad combination fails at flag parsing with a one-line message.
+  ``flag_values``: default ``absl.flags.FLAGS`` (tests pass their own).
+  """
+  fv = flags.FLAGS if flag_values is None else flag_values
   d = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
   d.update(defaults)
-  flags.DEFINE_enum("optimizer", d["optimizer"], OPTIMIZERS, "Optimizer (sgd: non-private).")
-  flags.DEFINE_float("learning_rate", d["learning_rate"], "Base learning rate.")
-  flags.DEFINE_float("regularizer", d["regularizer"], "DP-NSGD/DP-NAdam regularizer r > 0.")
-  flags.DEFINE_float("l2_norm_clip", d["l2_norm_clip"], "DP-SGD/DP-Adam clipping norm c > 0.")
+  kw = {"flag_values": fv}
+  eps_default = (f" Default: {d['target_epsilon']:g} when --noise_multiplier is not given."
+                 if d["target_epsilon"] is not None else "")
+  flags.DEFINE_enum("optimizer", d["optimizer"], OPTIMIZERS,
+                    "Optimizer (sgd: non-private; give no --noise_multiplier/--target_epsilon).",
+                    **kw)
+  flags.DEFINE_float("learning_rate", d["learning_rate"], "Base learning rate.", **kw)
+  flags.DEFINE_float("regularizer", d["regularizer"], "DP-NSGD/DP-NAdam regularizer r > 0.", **kw)
+  flags.DEFINE_float("l2_norm_clip", d["l2_norm_clip"], "DP-SGD/DP-Adam clipping norm c > 0.",
+                     **kw)
   flags.DEFINE_float("noise_multiplier", d["noise_multiplier"],
-                     "Noise std / sensitivity. Exclusive with --target_epsilon.")
+                     "Noise std / sensitivity. Exclusive with --target_epsilon.", **kw)
   flags.DEFINE_float("target_epsilon", d["target_epsilon"],
-                     "Calibrate the noise multiplier to this epsilon.")
-  flags.DEFINE_float("delta", d["delta"], "Target delta.")
-  flags.DEFINE_integer("batch_size", d["batch_size"], "Logical batch size (expected, for Poisson).")
+                     "Calibrate the noise multiplier to this epsilon. Exclusive with "
+                     "--noise_multiplier." + eps_default, **kw)
+  flags.DEFINE_float("delta", d["delta"], "Target delta.", **kw)
+  flags.DEFINE_integer("batch_size", d["batch_size"], "Logical batch size (expected, for Poisson).",
+                       **kw)
   flags.DEFINE_integer("physical_batch_size", d["physical_batch_size"],
-                       "Process each logical batch in chunks of this size (memory).")
-  flags.DEFINE_float("epochs", d["epochs"], "Epochs (steps = floor(epochs * N / B)).")
+                       "Process each logical batch in chunks of this size (memory).", **kw)
+  flags.DEFINE_float("epochs", d["epochs"], "Epochs (steps = floor(epochs * N / B)).", **kw)
   flags.DEFINE_integer("max_steps", d["max_steps"],
-                       "Stop after this many steps; the report covers the steps taken.")
+                       "Stop after this many steps; the report covers the steps taken.", **kw)
   flags.DEFINE_enum("sampling", d["sampling"], SAMPLINGS,
-                    "Batch sampling; the accounting follows it.")
-  flags.DEFINE_enum("accountant", d["accountant"], ("rdp", "pld"), "dp-accounting accountant.")
+                    "Batch sampling; the accounting follows it.", **kw)
+  flags.DEFINE_enum("accountant", d["accountant"], ("rdp", "pld"), "dp-accounting accountant.",
+                    **kw)
   flags.DEFINE_enum("bound", d["bound"], ("default", "paper", "min"),
-                    "RDP bound for --sampling=uniform: dp-accounting, the paper's, or their min.")
+                    "RDP bound for --sampling=uniform: dp-accounting, the paper's, or their min.",
+                    **kw)
   flags.DEFINE_enum("conversion", d["conversion"], ("modern", "classic"),
-                    "RDP to (epsilon, delta) conversion.")
+                    "RDP to (epsilon, delta) conversion.", **kw)
   flags.DEFINE_enum("lr_schedule", d["lr_schedule"], schedules.SCHEDULES,
-                    "constant | step (x0.1 at 50%, x0.01 at 75%) | cyclic (0.02..1.0).")
-  flags.DEFINE_float("momentum", d["momentum"], "SGD momentum (dpnsgd/dpsgd/sgd).")
-  flags.DEFINE_float("weight_decay", d["weight_decay"], "Decoupled weight decay (0: none).")
+                    "constant | step (x0.1 at 50%, x0.01 at 75%) | cyclic (0.02..1.0).", **kw)
+  flags.DEFINE_float("momentum", d["momentum"], "SGD momentum (dpnsgd/dpsgd/sgd).", **kw)
+  flags.DEFINE_float("weight_decay", d["weight_decay"], "Decoupled weight decay (0: none).", **kw)
   flags.DEFINE_enum("per_example", d["per_example"],
-                    tuple(tf_dpnsgd.per_example.ENGINE_NAMES), "Per-example gradient engine.")
-  flags.DEFINE_string("model_dir", d["model_dir"], "Checkpoints, TensorBoard, history, report.")
-  flags.DEFINE_string("export_dir", d["export_dir"], "Write a serving SavedModel here.")
-  flags.DEFINE_integer("seed", d["seed"], "Seed for init, sampling and noise (None: random).")
-  flags.DEFINE_integer("verbose", d["verbose"], "Keras fit verbosity.")
+                    tuple(tf_dpnsgd.per_example.ENGINE_NAMES), "Per-example gradient engine.",
+                    **kw)
+  flags.DEFINE_string("model_dir", d["model_dir"],
+                      "Checkpoints, TensorBoard, history, report (keep private: the checkpoint "
+                      "holds the noise state).", **kw)
+  flags.DEFINE_string("export_dir", d["export_dir"], "Write a serving SavedModel here.", **kw)
+  flags.DEFINE_integer("seed", d["seed"],
+                       "Seed of initialisation and data order only (non-private shuffle, "
+                       "augmentation, dropout). The DP noise and the batch sampler always "
+                       "draw their seeds from the OS. None: random.", **kw)
+  flags.DEFINE_integer("verbose", d["verbose"], "Keras fit verbosity.", **kw)
+
+  def validator(names, check):
+    def checker(values):
+      try:
+        check({**{n: fv[n].value for n in _FIELD_NAMES}, **values})
+      except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+      return True
+    flags.register_multi_flags_validator(list(names), checker, flag_values=fv)
+
+  for names, check in CHECKS:
+    validator(names, check)
+
+  def privacy(values):
+    resolve_privacy(values["optimizer"], values["noise_multiplier"], values["target_epsilon"],
+                    _explicit(fv))
+  validator(("optimizer",) + PRIVACY_FLAGS, privacy)
 
 
-def config_from_flags() -> ExperimentConfig:
-  names = [f.name for f in dataclasses.fields(ExperimentConfig)]
-  return ExperimentConfig(**{n: flags.FLAGS[n].value for n in names})
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
+
+
+def _explicit(fv) -> set:
+  """Privacy flags set on the command line, in a flag file or by assignment."""
+  return {n for n in PRIVACY_FLAGS if not fv[n].using_default_value}
+
+
+def config_from_flags(flag_values: Optional[flags.FlagValues] = None) -> ExperimentConfig:
+  """The run's config from the parsed flags (privacy flags resolved by
+  :func:`resolve_privacy`).
+
+  Raises:
+    LaunchError: an invalid combination (normally caught earlier by the validators).
+  """
+  fv = flags.FLAGS if flag_values is None else flag_values
+  values = {n: fv[n].value for n in _FIELD_NAMES}
+  try:
+    values["noise_multiplier"], values["target_epsilon"] = resolve_privacy(
+        values["optimizer"], values["noise_multiplier"], values["target_epsilon"], _explicit(fv))
+    return ExperimentConfig(**values)
+  except LaunchError:
+    raise
+  except ValueError as e:
+    raise LaunchError(str(e)) from None
+
+
+def main_with_usage_errors(main: Callable) -> Callable:
+  """Wraps a launcher's ``main``: a :class:`LaunchError` (or an existing export
+  directory) exits with status 1 and one ``FATAL`` line on stderr, no traceback."""
+  import functools
+
+  @functools.wraps(main)
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except (LaunchError, FileExistsError) as e:
+      raise SystemExit(f"FATAL Flags error: {e}") from None
+  return wrapped
 
 
 # --- the run -------------------------------------------------------------------
@@ -162,8 +329,8 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
     common["weight_decay"] = cfg.weight_decay
   if cfg.optimizer == "sgd":
     return keras.optimizers.SGD(momentum=cfg.momentum, **common)
-  seed = cfg.seed
-  private = {"noise_multiplier": noise_multiplier, "seed": seed, **common}
+  # No `seed`: the noise seed always comes from the OS (cfg.seed is public: init, data order).
+  private = {"noise_multiplier": noise_multiplier, **common}
   if cfg.optimizer == "dpnsgd":
     return tf_dpnsgd.DPNSGD(regularizer=cfg.regularizer, momentum=cfg.momentum, **private)
   if cfg.optimizer == "dpsgd":
@@ -173,17 +340,33 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
   return tf_dpnsgd.DPNAdam(regularizer=cfg.regularizer, **private)
 
 
-def make_plan(cfg: ExperimentConfig, dataset_size: int) -> PrivacyPlan:
-  """The privacy plan (validates B <= N, delta, the sampling/accountant pair)."""
+def make_plan(cfg: ExperimentConfig, dataset_size: int,
+              sampler_seed: Optional[int] = None) -> Optional[PrivacyPlan]:
+  """The privacy plan (validates B <= N, delta, the sampling/accountant pair); None for sgd.
+
+  ``sampler_seed``: ``None`` (the launchers: an OS seed, never ``cfg.seed``, which is
+  public); tests may fix it.
+  """
   if cfg.batch_size > dataset_size:
-    raise ValueError(f"--batch_size={cfg.batch_size} is larger than the training set "
-                     f"({dataset_size} examples).")
-  return PrivacyPlan(dataset_size=dataset_size, batch_size=cfg.batch_size,
-                     sampling=cfg.sampling, delta=cfg.delta, epochs=cfg.epochs,
-                     noise_multiplier=cfg.noise_multiplier if cfg.private else None,
-                     target_epsilon=cfg.target_epsilon if cfg.private else None,
-                     accountant=cfg.accountant, bound=cfg.bound, conversion=cfg.conversion,
-                     seed=cfg.seed) if cfg.private else None
+    raise LaunchError(f"--batch_size={cfg.batch_size} is larger than the training set "
+                      f"({dataset_size} examples).")
+  if not cfg.private:
+    return None
+  try:
+    return PrivacyPlan(dataset_size=dataset_size, batch_size=cfg.batch_size,
+                       sampling=cfg.sampling, delta=cfg.delta, epochs=cfg.epochs,
+                       noise_multiplier=cfg.noise_multiplier,
+                       target_epsilon=cfg.target_epsilon, accountant=cfg.accountant,
+                       bound=cfg.bound, conversion=cfg.conversion, seed=sampler_seed)
+  except ValueError as e:
+    raise LaunchError(str(e)) from None
+
+
+def public_plan(plan: PrivacyPlan) -> dict:
+  """The plan's fields without the sampler seed (what may be logged or recorded)."""
+  if hasattr(plan, "public_dict"):
+    return plan.public_dict()
+  return {k: v for k, v in plan.to_dict().items() if k != "seed"}
 
 
 class _EpochRecorder(keras.callbacks.Callback):
@@ -199,7 +382,7 @@ class _EpochRecorder(keras.callbacks.Callback):
     lr = opt.learning_rate
     logs["learning_rate"] = float(lr(opt.iterations) if callable(lr) else
                                   keras.ops.convert_to_numpy(lr))
-    logs["steps"] = int(opt.iterations.numpy())
+    logs["steps"] = steps_of(self.model)
     self.history.setdefault("epoch", []).append(epoch + 1)
     for k, v in logs.items():
       self.history.setdefault(k, []).append(float(v))
@@ -210,14 +393,76 @@ class _EpochRecorder(keras.callbacks.Callback):
       self.print_fn(epoch + 1, logs)
 
 
+def steps_of(model) -> int:
+  """Steps taken: the privacy ledger's for a DP model, the optimizer's otherwise."""
+  if isinstance(getattr(model, "privacy_ledger", None), tf_dpnsgd.ledger.PrivacyLedger):
+    return model.privacy_ledger.steps
+  return int(model.optimizer.iterations.numpy())
+
+
 class _StopAtStep(keras.callbacks.Callback):
   def __init__(self, max_steps: int):
     super().__init__()
     self.max_steps = max_steps
 
   def on_train_batch_end(self, batch, logs=None):
-    if int(self.model.optimizer.iterations.numpy()) >= self.max_steps:
+    if steps_of(self.model) >= self.max_steps:
       self.model.stop_training = True
+
+
+def _check_resume_point(plan: Optional[PrivacyPlan], start_step: int) -> None:
+  """Refuses to resume a shuffle-sampled run mid-epoch (see the module docstring)."""
+  if plan is None or plan.sampling != "shuffle" or start_step >= plan.num_steps:
+    return
+  spe = plan.spec.steps_per_epoch
+  if start_step % spe:
+    raise LaunchError(
+        f"Cannot resume this --sampling=shuffle run at step {start_step}, inside epoch "
+        f"{start_step // spe + 1} ({spe} steps per epoch): the sampler seed is never saved, so "
+        "the rest of the epoch would follow a new permutation and repeat examples, which "
+        "the per-epoch accounting excludes. Use a new --model_dir, or stop shuffle runs at "
+        "epoch ends (--max_steps a multiple of the steps per epoch).")
+
+
+def _fit_only_steps_to_run(fit_kwargs: dict, total_steps: int) -> None:
+  """Trims ``fit_kwargs["epochs"]`` to the epochs that hold the steps that will run
+  (``--max_steps`` may stop long before the planned epochs)."""
+  spe = fit_kwargs["steps_per_epoch"]
+  needed = max(fit_kwargs.get("initial_epoch", 0) + 1, math.ceil(total_steps / spe))
+  fit_kwargs["epochs"] = min(fit_kwargs["epochs"], needed)
+
+
+class StepProgbar(keras.callbacks.ProgbarLogger):
+  """Keras' progress bar, counting the steps each epoch actually runs.
+
+  Keras sets the bar's target to ``steps_per_epoch`` and, when training stops
+  early (``--max_steps``, the privacy budget, a last partial epoch), still
+  finalizes the bar at that target: a 59-step run showed ``1052/1052``. Here
+  each epoch's target is ``min(steps_per_epoch, steps left)`` and the bar is
+  finalized at the steps run.
+  """
+
+  def __init__(self, start_step: int, total_steps: int):
+    super().__init__()
+    self.steps_done, self.total_steps = int(start_step), int(total_steps)
+    self.steps_per_epoch = None
+
+  def set_params(self, params):
+    super().set_params(params)
+    self.steps_per_epoch = self.target
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if self.steps_per_epoch is not None:
+      self.target = max(1, min(self.steps_per_epoch, self.total_steps - self.steps_done))
+    super().on_epoch_begin(epoch, logs)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.target is not None and 0 < self.seen < self.target:
+      self.target = self.seen  # stopped early: show the steps that ran
+      if self.progbar is not None:
+        self.progbar.target = self.seen
+    self.steps_done += self.seen
+    super().on_epoch_end(epoch, logs)
 
 
 def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model],
@@ -244,18 +489,18 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   if cfg.export_dir and os.path.exists(cfg.export_dir):
     raise FileExistsError(f"--export_dir={cfg.export_dir} exists; choose a new one (an export "
                           "is never written over another). Checked before training.")
-  plan = make_plan(cfg, n)
-  if cfg.seed is not None:
+  plan = make_plan(cfg, n)  # a fresh OS sampler seed, in every run and every resume
+  if cfg.seed is not None:  # public: initialisation and data order only
     keras.utils.set_random_seed(cfg.seed)
   planned_steps = plan.num_steps if plan else math.floor(cfg.epochs * n / cfg.batch_size)
   if planned_steps < 1:
-    raise ValueError(f"floor(epochs * N / B) = 0 steps (epochs={cfg.epochs}, N={n}, "
-                     f"B={cfg.batch_size}): train longer or use a smaller batch.")
+    raise LaunchError(f"floor(epochs * N / B) = 0 steps (epochs={cfg.epochs}, N={n}, "
+                      f"B={cfg.batch_size}): train longer or use a smaller batch.")
   total_steps = min(planned_steps, cfg.max_steps or planned_steps)
   sigma = plan.training_noise_multiplier if plan else None
   if plan:
     logging.info("Privacy plan: %s; noise_multiplier=%.4f for %d planned steps.",
-                 plan.to_json(), sigma, planned_steps)
+                 json.dumps(public_plan(plan), sort_keys=True), sigma, planned_steps)
 
   base = build_model()
   model = (tf_dpnsgd.make_private(base, per_example=cfg.per_example,
@@ -274,12 +519,13 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     hist_path = os.path.join(cfg.model_dir, "history.json")
     if os.path.exists(ckpt):
       model.optimizer.build(model.trainable_variables)
-      model.load_weights(ckpt)
-      start_step = int(model.optimizer.iterations.numpy())
+      model.load_weights(ckpt)  # restores the privacy ledger with the weights
+      start_step = steps_of(model)
       if os.path.exists(hist_path):
         with open(hist_path) as f:
           history = json.load(f)
       logging.info("Resumed from %s at step %d.", ckpt, start_step)
+  _check_resume_point(plan, start_step)
 
   callbacks = []
   tb_dir = os.path.join(cfg.model_dir, "tensorboard") if cfg.model_dir else None
@@ -295,8 +541,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     callbacks.append(keras.callbacks.TensorBoard(tb_dir, write_graph=False))
 
   if plan:
-    fit_kwargs = plan.fit_kwargs(start_step=start_step)
-    data = plan.dataset(x_train, y_train, start_step=start_step)
+    fit_kwargs = plan.fit_kwargs(model)
+    data = plan.dataset(x_train, y_train, model=model)
   else:
     spe = max(1, n // cfg.batch_size)
     fit_kwargs = {"epochs": max(1, math.ceil(planned_steps / spe)), "steps_per_epoch": spe,
@@ -306,6 +552,9 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
             .shuffle(n, seed=cfg.seed).repeat().batch(cfg.batch_size, drop_remainder=True))
   if augment_fn is not None:
     data = augment_fn(data)
+  _fit_only_steps_to_run(fit_kwargs, total_steps)
+  if cfg.verbose:  # after every callback that adds to the logs, like Keras' own
+    callbacks.append(StepProgbar(start_step, total_steps))
   if start_step < total_steps:
     model.fit(data, validation_data=test, callbacks=callbacks, verbose=cfg.verbose, **fit_kwargs)
   # Release the generator-backed stream now, not at interpreter shutdown (where TF
@@ -313,7 +562,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   del data
   gc.collect()
 
-  steps = int(model.optimizer.iterations.numpy())
+  steps = steps_of(model)
   final = model.evaluate(*test, verbose=0, return_dict=True)
   report = {
       "private": bool(plan),
@@ -324,10 +573,11 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
       "best_val_accuracy": max(history.get("val_accuracy", [float("nan")])),
   }
   if plan:
-    report.update(plan.report(steps).to_dict())
+    report.update(plan.report(model).to_dict())
     report["noise_multiplier"] = sigma
   else:
-    report.update({"epsilon": math.inf, "delta": None,
+    # JSON has no inf: no epsilon at all, and "private": false.
+    report.update({"epsilon": None, "delta": None,
                    "note": "--optimizer=sgd: non-private baseline, no privacy guarantee"})
   report.update(extra_report or {})
   if cfg.model_dir:
@@ -345,6 +595,13 @@ def print_epoch(epoch: int, logs: dict) -> None:
   print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
         f"train acc {logs.get('accuracy', float('nan')):.4f}  "
         f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
+
+
+def epsilon_text(report: dict) -> str:
+  """``"epsilon 3.999 (delta 1e-05)"`` or ``"non-private"`` for a run's report."""
+  if not report.get("private") or report.get("epsilon") is None:
+    return "non-private (no privacy guarantee)"
+  return f"epsilon {float(report['epsilon']):.4g} (delta {report['delta']:g})"
 
 
 def as_numpy_labels(y) -> np.ndarray:

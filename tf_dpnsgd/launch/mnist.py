@@ -123,9 +123,9 @@ def main(argv):
       export_fn=export_fn, print_fn=common.print_epoch,
       extra_report={"dataset": "mnist", "model": FLAGS.model, "width": FLAGS.width})
   acc = report["final_metrics"].get("accuracy", float("nan"))
-  print(f"final test accuracy {acc:.4f}; epsilon {report['epsilon']:.4g} after "
+  print(f"final test accuracy {acc:.4f}; {common.epsilon_text(report)} after "
         f"{report['steps']} steps", flush=True)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.main_with_usage_errors(main))

@@ -6,6 +6,11 @@ accuracy and epsilon after every epoch, and writes a SavedModel (raw 0-16 pixel
 input, as `load_digits` gives) and `privacy_report.json`. About a minute on 2
 CPU cores.
 
+`--seed` (default 0) fixes the initialisation only. The DP noise and the
+Poisson batches take fresh seeds from the OS in every run, so two runs release
+different models and the test accuracy varies between runs (91.4% and 93.1%
+in two runs, epsilon 3.998).
+
   python -m tf_dpnsgd.launch.quickstart --model_dir=runs/quickstart \
       --export_dir=runs/quickstart/export
 
@@ -75,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.main_with_usage_errors(main))

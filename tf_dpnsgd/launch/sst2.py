@@ -76,8 +76,8 @@ def main(argv):
                     "freeze_embeddings": FLAGS.freeze_embeddings,
                     "sequence_length": FLAGS.sequence_length})
   print(f"dev accuracy {report['final_metrics'].get('accuracy', float('nan')):.4f}; "
-        f"epsilon {report['epsilon']} after {report['steps']} steps")
+        f"{common.epsilon_text(report)} after {report['steps']} steps")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.main_with_usage_errors(main))

@@ -61,6 +61,7 @@ Y_CANDIDATES = ("learning_rate", "effective_lr")
 PANEL_AXIS = "target_epsilon"
 VIRTUAL_AXES = ("effective_lr",)
 RESERVED = ("model_dir", "flagfile", "export_dir")
+PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 FINISHED_MARKER = "privacy_report.json"
 # --dry_run asks the base launcher for its training-set size through its
 # `planned_dataset_size(flag_values)` function (every launcher here has one).
@@ -87,9 +88,10 @@ flags.DEFINE_float("tuning_mean", None, "E[K] of random search (default: cells p
 flags.DEFINE_float("success_probability", 0.9, "Also report the random search that reaches a "
                    "near-best cell with this probability.")
 flags.DEFINE_enum("cell_seeds", "fresh", ("fresh", "base"),
-                  "fresh: a secret random --seed per cell run (independent runs, as the "
-                  "privacy bounds assume); base: the base launcher's seed (reproducible; "
-                  "cells then share noise, see docs/sweeps.md).")
+                  "The launchers' --seed (initialisation and data order only: every run "
+                  "draws its DP noise and sampler seeds from the OS, so cells never share "
+                  "noise). fresh: a random --seed per cell run; base: the base launcher's "
+                  "(reproducible initialisation).")
 flags.DEFINE_integer("cell_timeout", None, "Seconds before a cell run is killed (None: no limit).")
 flags.DEFINE_integer("dry_run_dataset_size", None,
                      "Training-set size for --dry_run when the launcher cannot tell.")
@@ -298,10 +300,29 @@ class SweepOptions:
     with open(self.base_flagfile, "rb") as f:
       return hashlib.sha256(f.read()).hexdigest()
 
+  def cell_optimizer(self, cell: Cell) -> Optional[str]:
+    """The cell's --optimizer when the grid or --fixed sets it (else the launcher's)."""
+    return cell.get("optimizer", dict(self.fixed).get("optimizer"))
+
   def cell_argv(self, cell: Cell) -> list:
-    """Base-launcher arguments of a cell (no --model_dir, no seed)."""
+    """Base-launcher arguments of a cell (no --model_dir, no seed).
+
+    A non-private cell (``optimizer=sgd``) leaves out the ``--fixed`` privacy
+    flags (``target_epsilon``, ``noise_multiplier``): they apply to the private
+    cells. A grid axis that sets one for an sgd cell is an error (condition it
+    on the private optimizers: ``target_epsilon=2,8@optimizer=dpnsgd``).
+    """
     head = [f"--flagfile={self.base_flagfile}"] if self.base_flagfile else []
-    return head + self.fixed_flags + cell.launcher_flags(dict(self.fixed))
+    fixed = self.fixed_flags
+    if self.cell_optimizer(cell) == "sgd":
+      on_cell = [n for n in PRIVACY_FLAGS if cell.get(n) is not None]
+      if on_cell:
+        raise SweepError(
+            f"Cell {cell.name}: --optimizer=sgd trains without privacy, but the grid sets "
+            f"--{on_cell[0]} for it; condition that axis on the private optimizers "
+            f"(e.g. --grid={on_cell[0]}=...@optimizer=dpnsgd).")
+      fixed = [f"--{k}={v}" for k, v in self.fixed if k not in PRIVACY_FLAGS]
+    return head + fixed + cell.launcher_flags(dict(self.fixed))
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -370,8 +391,8 @@ def run_cell(opts: SweepOptions, cell: Cell, directory: str) -> dict:
   with open(os.path.join(directory, "cell.json"), "w") as f:
     json.dump(record, f, indent=1)
   argv = [sys.executable, "-m", opts.base, *record["argv"], f"--model_dir={directory}"]
-  if opts.cell_seeds == "fresh":
-    argv.append(f"--seed={secrets.randbelow(2 ** 31 - 2) + 1}")  # secret: never recorded
+  if opts.cell_seeds == "fresh":  # initialisation only; noise and sampling seeds are the OS's
+    argv.append(f"--seed={secrets.randbelow(2 ** 31 - 2) + 1}")
   env = dict(os.environ)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   start = time.time()
@@ -414,9 +435,10 @@ def run_cells(opts: SweepOptions, cells: Sequence[Cell], print_fn=_print) -> dic
     outcomes[cell.name] = outcome
     if outcome["status"] == "finished":
       rep = read_json(os.path.join(directory, FINISHED_MARKER))
+      eps = report_epsilon(rep)
       print_fn(f"    done in {outcome['seconds']:.0f} s: accuracy "
-               f"{rep['final_metrics'].get('accuracy', float('nan')):.4f}, "
-               f"epsilon {rep.get('epsilon', float('nan')):.4g}")
+               f"{_fmt(rep.get('final_metrics', {}).get('accuracy'), '.4f')}, "
+               + ("non-private" if eps is None else f"epsilon {_fmt(eps)}"))
     else:
       print_fn(f"    FAILED ({outcome['reason']}); see {outcome['log']}")
       if not opts.keep_going:
@@ -430,6 +452,19 @@ def run_cells(opts: SweepOptions, cells: Sequence[Cell], print_fn=_print) -> dic
 def read_json(path: str) -> dict:
   with open(path) as f:
     return json.load(f)
+
+
+def report_epsilon(rep: dict) -> Optional[float]:
+  """A privacy report's epsilon as a float; ``None`` for a non-private run (whose
+  report holds ``null``, or ``"inf"`` in reports of older versions)."""
+  if not rep.get("private", True):
+    return None
+  value = rep.get("epsilon")
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    return None
+  return value if math.isfinite(value) else None
 
 
 def cell_result(opts: SweepOptions, cell: Cell) -> dict:
@@ -446,10 +481,11 @@ def cell_result(opts: SweepOptions, cell: Cell) -> dict:
   hp = rep.get("hyperparameters", {})
   row.update({
       "status": "finished",
+      "private": bool(rep.get("private", True)),
       "final_accuracy": rep.get("final_metrics", {}).get("accuracy"),
       "best_val_accuracy": rep.get("best_val_accuracy"),
       "final_loss": rep.get("final_metrics", {}).get("loss"),
-      "epsilon": rep.get("epsilon"), "delta": rep.get("delta"),
+      "epsilon": report_epsilon(rep), "delta": rep.get("delta"),
       "noise_multiplier": rep.get("noise_multiplier"), "steps": rep.get("steps"),
       "seconds": seconds,
   })
@@ -540,8 +576,10 @@ def _axis_label(name: Optional[str]) -> str:
 
 def _epsilon_label(rows) -> str:
   """``"epsilon = 2.00"`` when the finished cells share one epsilon (to 0.01), else ``""``."""
-  values = {round(float(r["epsilon"]), 2) for r in rows
-            if r.get("status") == "finished" and r.get("epsilon") is not None}
+  finished = [r for r in rows if r.get("status") == "finished"]
+  if finished and not any(r.get("private", True) for r in finished):
+    return "non-private"
+  values = {round(float(r["epsilon"]), 2) for r in finished if r.get("epsilon") is not None}
   return f"epsilon = {values.pop():.2f}" if len(values) == 1 else ""
 
 
@@ -646,11 +684,11 @@ def panel_privacy(opts: SweepOptions, runs: Sequence, near_best_fraction: Option
 
 
 def assumptions(opts: SweepOptions) -> list:
-  seeds = ("each cell ran with a fresh secret seed (independent runs)"
-           if opts.cell_seeds == "fresh" else
-           "cells ran with the base launcher's seed: if several cells share a seed their noise "
-           "draws coincide, and the composition and tuning bounds, which assume independent "
-           "runs, are not established")
+  seeds = ("every cell drew its DP noise and batch-sampler seeds from the OS (independent "
+           "runs); " + ("each cell's initialisation had its own random --seed"
+                        if opts.cell_seeds == "fresh" else
+                        "the cells shared the base launcher's --seed (initialisation and data "
+                        "order only)"))
   return [
       "single_run: the epsilon of one cell (the largest over the panel).",
       "naive_composition: every cell of the panel trained and released (models or accuracies, "
@@ -813,28 +851,38 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell]) -> list:
   Imports the base launcher (which defines its flags), parses each cell's
   arguments with them and builds the run's :class:`~tf_dpnsgd.plan.PrivacyPlan`
   as :func:`tf_dpnsgd.launch.common.run_experiment` would. Resets the flag
-  values afterwards.
+  values to their defaults afterwards.
+
+  Raises:
+    SweepError: a cell's flags are invalid for the launcher (its flag validators).
   """
   from tf_dpnsgd import tuning
   from tf_dpnsgd.launch import common
   module = importlib.import_module(opts.base)
   plans, out = {}, []
+  was_parsed = FLAGS.is_parsed()
   try:
     for cell in cells:
       FLAGS.unparse_flags()
-      FLAGS(["sweep-dry-run", *opts.cell_argv(cell)])
-      cfg = common.config_from_flags()
+      try:
+        FLAGS(["sweep-dry-run", *opts.cell_argv(cell)])
+        cfg = common.config_from_flags()
+      except (flags.Error, common.LaunchError) as e:
+        raise SweepError(f"Cell {cell.name}: {e}") from None
       n = planned_dataset_size(opts, module, FLAGS)
       row = {"cell": cell.name, **dict(cell.assignments), "dataset_size": n,
              "optimizer": cfg.optimizer, "learning_rate": cfg.learning_rate}
       if not cfg.private:
-        out.append({**row, "epsilon": math.inf})
+        out.append({**row, "private": False, "epsilon": None})
         continue
       key = (n, cfg.batch_size, cfg.sampling, cfg.delta, cfg.epochs, cfg.noise_multiplier,
              cfg.target_epsilon, cfg.accountant, getattr(cfg, "bound", None),
              getattr(cfg, "conversion", None))
       if key not in plans:
-        plans[key] = common.make_plan(cfg, n)
+        try:
+          plans[key] = common.make_plan(cfg, n)
+        except common.LaunchError as e:
+          raise SweepError(f"Cell {cell.name}: {e}") from None
       plan = plans[key]
       steps = min(plan.num_steps, cfg.max_steps or plan.num_steps)
       sigma = plan.training_noise_multiplier
@@ -847,6 +895,8 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell]) -> list:
       out.append(row)
   finally:
     FLAGS.unparse_flags()
+    if was_parsed:  # defaults, but readable (absl's app.run reads flags on a failed exit)
+      FLAGS.mark_as_parsed()
   return out
 
 
@@ -856,9 +906,10 @@ def dry_run(opts: SweepOptions, cells: Sequence[Cell], print_fn=_print) -> dict:
   print_fn(f"{len(cells)} cells of {opts.base} (dry run: nothing is trained)")
   print_fn(f"{'cell':<{width}}  {'N':>7} {'sigma':>8} {'steps':>7} {'epsilon':>8}")
   for r in planned:
+    eps = _fmt(r["epsilon"], ".4f") if r.get("private", True) else "non-private"
     print_fn(f"{r['cell']:<{width}}  {r['dataset_size']:>7} "
              f"{_fmt(r.get('noise_multiplier'), '.4f'):>8} {str(r.get('steps', '-')):>7} "
-             f"{_fmt(r['epsilon'], '.4f'):>8}")
+             f"{eps:>8}")
   by_name = {r["cell"]: r for r in planned}
   cache, panels_out = {}, []
   for p in arrange_panels(opts, cells):
@@ -888,8 +939,32 @@ def dry_run(opts: SweepOptions, cells: Sequence[Cell], print_fn=_print) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  try:
+    return _main()
+  except SweepError as e:  # a bad sweep definition: one line, no traceback
+    raise SystemExit(f"FATAL sweep error: {e}") from None
+
+
+def check_cells(opts: SweepOptions, cells: Sequence[Cell]) -> None:
+  """Raises :class:`SweepError` for cells that cannot run as defined (before any runs)."""
+  for cell in cells:
+    opts.cell_argv(cell)  # e.g. a privacy axis on an sgd cell
+  sgd = [c.name for c in cells if opts.cell_optimizer(c) == "sgd"]
+  if sgd and opts.base_flagfile:
+    with open(opts.base_flagfile) as f:
+      names = {line.strip().lstrip("-").partition("=")[0] for line in f
+               if line.strip().startswith("--")}
+    given = sorted(names & set(PRIVACY_FLAGS))
+    if given:
+      raise SweepError(f"The base flag file {opts.base_flagfile} sets --{given[0]}, which the "
+                       f"non-private cells {sgd} (optimizer=sgd) cannot take; use a base flag "
+                       "file without privacy flags and set them with --fixed or a grid axis.")
+
+
+def _main():
   opts = options_from_flags()
   cells = expand_grid(opts.axes)
+  check_cells(opts, cells)
   if opts.dry_run:
     dry_run(opts, cells)
     return 0
