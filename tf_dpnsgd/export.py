@@ -5,10 +5,10 @@ or tokenization happens inside. Signature ``serving_default`` returns
 ``logits``, ``probabilities`` (softmax) and ``class_ids`` (argmax, int64).
 
 Formal guarantee: an export holds only the model's weights, never the
-optimizer state nor any RNG state. In particular the DP noise seed and draw
-counter (optimizer variables ``dp_noise_seed`` and ``dp_noise_draws``) are
-never written: whoever knows them can regenerate and subtract the noise,
-which voids the privacy guarantee. Nor are the Keras ``SeedGenerator`` states
+optimizer state nor any RNG state. (The DP noise key itself is never a
+variable anywhere, see :mod:`tf_dpnsgd.noise`; the check below also refuses the
+variable names ``dp_noise_seed``/``dp_noise_draws`` that older versions kept in
+the optimizer.) Nor are the Keras ``SeedGenerator`` states
 of Dropout / RandomFlip / ... layers (derived from the run's seed; serving
 runs with ``training=False`` and never reads them). Each export is checked
 after writing (:func:`check_no_optimizer_state`, :func:`check_no_rng_state`)
