@@ -200,8 +200,8 @@ class Sampler:
 
     ``x`` and ``y`` are arrays or nested structures of arrays with ``N`` rows.
     Infinite when ``num_steps`` is None (pass ``steps_per_epoch`` to ``fit``).
-    Poisson elements carry ``dp_denominator`` with shape ``[1]`` here (Keras'
-    generator adapter rejects scalars) and shape ``[]`` in :meth:`dataset`.
+    Every tag, Poisson's ``dp_denominator`` included, has one (equal) entry per
+    row, so that ``tf.distribute`` can split it with the batch.
     """
     self._check_data(x, y)
     rows = self._rows_per_element
@@ -213,7 +213,7 @@ class Sampler:
       if mask is not None:
         # Keras' generator adapter needs rank >= 1; the train step reads element 0.
         tags[DP_MASK_KEY] = mask
-        tags[DP_DENOMINATOR_KEY] = np.full([1], self.denominator, np.float32)
+        tags[DP_DENOMINATOR_KEY] = np.full([rows], self.denominator, np.float32)
       yield xb, yb, tags
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
@@ -258,7 +258,8 @@ class Sampler:
               ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64))}
       if with_mask:
         tags[DP_MASK_KEY] = mask
-        tags[DP_DENOMINATOR_KEY] = tf.constant(denominator, tf.float32)
+        # Per row (all equal), so that tf.distribute can split it with the batch.
+        tags[DP_DENOMINATOR_KEY] = tf.fill([rows], tf.constant(denominator, tf.float32))
       return xb, yb, tags
 
     return indices.map(gather, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
