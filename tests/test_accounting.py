@@ -519,3 +519,64 @@ def test_bad_calibration_input():
       acc.calibrate_noise_multiplier(spec, bad, 10, DELTA)
   with pytest.raises(acc.AccountingError, match="Zero steps"):
     acc.calibrate_noise_multiplier(spec, 1.0, 0, DELTA)
+
+
+def test_one_noise_multiplier_validator_for_accounting_and_noise():
+  from tf_dpnsgd import noise
+  assert acc.validate_noise_multiplier(2) == 2.0
+  assert noise.validate_noise_multiplier(0) == 0.0            # no noise: a valid setting
+  with pytest.raises(acc.AccountingError, match=r"noise_multiplier.*> 0.*epsilon is infinite"):
+    acc.validate_noise_multiplier(0)                          # no noise: nothing to account
+  for bad in (-1.0, float("nan"), float("inf"), "x", None):
+    with pytest.raises(ValueError, match="noise_multiplier"):
+      acc.validate_noise_multiplier(bad)
+    with pytest.raises(ValueError, match=r"noise_multiplier.*>= 0"):
+      noise.validate_noise_multiplier(bad)
+
+
+# ---------------------------------------------------------------------------
+# The algebra of RDP curves (tf_dpnsgd.accounting.rdp).
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("conversion", ["classic", "modern"])
+def test_rdp_to_delta_inverts_rdp_to_epsilon(conversion):
+  orders = np.array(acc.DEFAULT_ORDERS)
+  rdp = 300 * acc.rdp_curve(acc.make_spec(5000, 100, "poisson"), 1.0).rdp
+  eps, _ = acc.rdp_to_epsilon(orders, rdp, DELTA, conversion)
+  assert acc.rdp_to_delta(orders, rdp, eps, conversion) == pytest.approx(DELTA, rel=1e-3)
+  assert acc.rdp_to_delta(orders, rdp, eps + 0.5, conversion) < DELTA
+
+
+def test_rdp_to_epsilon_matches_dp_accounting():
+  # 300 Poisson-subsampled Gaussian steps composed by dp-accounting directly.
+  event = dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.0))
+  expected, order = direct_rdp(dp_accounting.SelfComposedDpEvent(event, 300),
+                               R.ADD_OR_REMOVE_ONE, SMALL_ORDERS)
+  per_step = acc.rdp_curve(acc.make_spec(5000, 100, "poisson", orders=SMALL_ORDERS), 1.0)
+  assert acc.rdp_to_epsilon(per_step.orders, 300 * per_step.rdp, DELTA) == pytest.approx(
+      (expected, order), rel=1e-12)
+
+
+def test_curve_composition_worst_case_and_monotone_envelope():
+  a = ([2.0, 3.0, 4.0], [1.0, 2.0, 3.0])
+  b = ([3.0, 4.0, 8.0], [0.5, np.inf, 9.0])
+  orders, matrix = acc.common_orders([a, b])                  # shared orders only
+  assert orders.tolist() == [3.0, 4.0]
+  assert matrix.tolist() == [[2.0, 3.0], [0.5, np.inf]]
+  assert acc.composed_rdp([a, b])[1].tolist() == [2.5, np.inf]
+  assert acc.worst_case_rdp([a, b])[1].tolist() == [2.0, np.inf]
+  # Renyi divergence grows with the order: the bound at 2 is also the one at 3 (1.0 < 5.0).
+  assert acc.monotone_rdp([2.0, 3.0, 4.0], [5.0, 1.0, 2.0]).tolist() == [1.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: acc.validate_curve([1.0, 2.0], [0.1, 0.2]),       # order <= 1
+    lambda: acc.validate_curve([2.0, 3.0], [0.1, -0.2]),      # negative RDP
+    lambda: acc.validate_curve([2.0, 3.0], [0.1]),            # lengths differ
+    lambda: acc.validate_curve([2.0, 2.0], [0.1, 0.2]),       # repeated order
+    lambda: acc.common_orders([([2.0], [0.1]), ([3.0], [0.1])]),  # nothing shared
+    lambda: acc.rdp_to_epsilon([2.0], [0.1], DELTA, "exact"),
+    lambda: acc.rdp_to_delta([2.0], [0.1], -1.0),
+])
+def test_bad_curves_raise(make):
+  with pytest.raises(acc.AccountingError):
+    make()

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tf_dpnsgd
-from tf_dpnsgd.callbacks import EPSILON_KEY, PrivacyBudgetExceededError, PrivacyCallback
+from tf_dpnsgd.callbacks import (EPSILON_KEY, PLAN_ATTRIBUTES, PrivacyBudgetExceededError,
+                                 PrivacyCallback)
 from tf_dpnsgd.plan import PrivacyPlan
 
 N, B = 64, 8  # 8 steps per epoch
@@ -149,6 +150,10 @@ def test_callback_arguments():
                      noise_multiplier=1.0, delta=1e-5, seed=1)
   with pytest.raises(TypeError, match="PrivacyPlan"):
     PrivacyCallback({"sigma": 1.0})
+  # Checked by the attributes it uses (callbacks does not import plan), without computing them.
+  missing_one = type("NotAPlan", (), {a: None for a in PLAN_ATTRIBUTES[:-1]})()
+  with pytest.raises(TypeError, match="PrivacyPlan"):
+    PrivacyCallback(missing_one)
   with pytest.raises(ValueError, match="epsilon_budget"):
     PrivacyCallback(plan, epsilon_budget=-1.0)
   with pytest.raises(ValueError, match="update_freq"):

@@ -23,7 +23,9 @@ def test_plan_with_sigma_and_epochs():
   assert report.epsilon == pytest.approx(accounting.compute_epsilon(
       20000, 200, 1.3, 1e-5, "poisson", steps=250).epsilon)
   assert plan.epsilon(10) < report.epsilon
-  # The event, composed in dp-accounting directly, gives the report's epsilon.
+  # The sampler holds the plan's spec (one source of truth); its event, composed in
+  # dp-accounting directly, gives the report's epsilon.
+  assert plan.sampler.spec is plan.spec
   ledger = plan.spec.make_accountant()
   ledger.compose(plan.dp_event())
   assert ledger.get_epsilon(1e-5) == pytest.approx(report.epsilon, rel=1e-12)

@@ -110,6 +110,22 @@ def test_samplers_name_their_events():
   assert ledger.get_epsilon(1e-5) == pytest.approx(accounting.epsilon_for(spec, sigma, 5, 1e-5))
 
 
+def test_sampler_uses_the_spec_it_is_given():
+  spec = accounting.make_spec(1000, 10, "shuffle", accountant="pld")
+  s = sampling.ShuffleSampler(1000, 10, seed=0, spec=spec)
+  assert s.accounting_spec() is spec                       # not rebuilt
+  assert s.dp_event(2.0, 250) == spec.composed_event(2.0, 250)  # the spec's accountant: pld
+  assert s.accounting_spec(accountant="rdp") == accounting.make_spec(1000, 10, "shuffle")
+  standalone = sampling.ShuffleSampler(1000, 10, seed=0)  # builds one: rdp, default, modern
+  assert standalone.accounting_spec() == accounting.make_spec(1000, 10, "shuffle")
+  assert standalone.dp_event(2.0, 250) != s.dp_event(2.0, 250)  # sigma/2 for rdp, replace-one
+  for wrong in (sampling.PoissonSampler(1000, 10, seed=0), sampling.ShuffleSampler(1000, 20)):
+    with pytest.raises(ValueError, match="would not describe"):
+      type(wrong)(1000, wrong.batch_size, seed=0, spec=spec)
+  with pytest.raises(TypeError, match="AccountingSpec"):
+    sampling.ShuffleSampler(1000, 10, seed=0, spec="pld")
+
+
 def test_poisson_max_batch_size_is_the_binomial_tail_quantile():
   n, q, p = 50000, 0.02, 1e-12
   m = sampling.poisson_max_batch_size(n, q, p)

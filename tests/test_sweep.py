@@ -1,5 +1,6 @@
-"""The sweep CLI: grid parsing, resume checks, heatmaps, and a tiny MNIST-format sweep end to
-end (subprocesses of the real launcher on a tiny .npz written here)."""
+"""Sweeps: the library (grid parsing, resume checks, heatmaps, results of recorded runs) and
+the CLI, end to end on a tiny MNIST-format sweep (subprocesses of the real launcher on a tiny
+.npz written here)."""
 
 import csv
 import json
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import export
 from tf_dpnsgd import plots
-from tf_dpnsgd.launch import sweep
+from tf_dpnsgd import sweeps
+from tf_dpnsgd.records import RunRecord
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -47,21 +50,22 @@ def run_sweep(*args):
 # Grid.
 # ---------------------------------------------------------------------------
 def test_axis_parsing_and_errors():
-  a = sweep.Axis.parse("learning_rate=0.05, 0.1,3.2")
+  a = sweeps.Axis.parse("learning_rate=0.05, 0.1,3.2")
   assert (a.name, a.values, a.condition) == ("learning_rate", ("0.05", "0.1", "3.2"), None)
-  assert sweep.Axis.parse("--l2_norm_clip=1,10@optimizer=dpsgd").condition == ("optimizer", "dpsgd")
+  assert sweeps.Axis.parse("--l2_norm_clip=1,10@optimizer=dpsgd").condition == (
+      "optimizer", "dpsgd")
   for bad in ("learning_rate", "learning_rate=", "lr=1,1", "model_dir=a,b", "x=1@optimizer",
               "1x=2"):
-    with pytest.raises(sweep.SweepError):
-      sweep.Axis.parse(bad)
+    with pytest.raises(sweeps.SweepError):
+      sweeps.Axis.parse(bad)
 
 
 def test_expand_grid_with_conditional_and_virtual_axes():
-  axes = [sweep.Axis.parse(t) for t in (
+  axes = [sweeps.Axis.parse(t) for t in (
       "optimizer=dpnsgd,dpsgd", "target_epsilon=2,8",
       "learning_rate=0.1,0.2@optimizer=dpnsgd", "regularizer=1e-3,1e-2,1@optimizer=dpnsgd",
       "effective_lr=0.1,0.2@optimizer=dpsgd", "l2_norm_clip=0.1,10@optimizer=dpsgd")]
-  cells = sweep.expand_grid(axes)
+  cells = sweeps.expand_grid(axes)
   assert len(cells) == 2 * (2 * 3) + 2 * (2 * 2)          # per epsilon: 6 DP-NSGD + 4 DP-SGD
   assert len({c.name for c in cells}) == len(cells)
   dpsgd = [c for c in cells if c.get("optimizer") == "dpsgd"]
@@ -70,8 +74,8 @@ def test_expand_grid_with_conditional_and_virtual_axes():
   assert cell.launcher_flags({}) == ["--optimizer=dpsgd", "--target_epsilon=2",
                                      "--learning_rate=0.02", "--l2_norm_clip=10"]
   # Panels: one figure per optimizer, one panel per epsilon, lr x r (3 wide) or lr*c x c.
-  opts = sweep.SweepOptions(base="mnist", sweep_dir="/unused", axes=tuple(axes))
-  panels = sweep.arrange_panels(opts, cells)
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir="/unused", axes=tuple(axes))
+  panels = sweeps.arrange_panels(opts, cells)
   shapes = {(p.figure, p.label): (len(p.y_values), len(p.x_values), p.x_axis, p.y_axis)
             for p in panels}
   assert shapes == {
@@ -87,38 +91,95 @@ def test_expand_grid_with_conditional_and_virtual_axes():
     (["optimizer=dpnsgd", "r=1@optimizer=dpsgd"], "takes only"),
 ])
 def test_bad_grids_raise(texts, match):
-  with pytest.raises(sweep.SweepError, match=match):
-    sweep.expand_grid([sweep.Axis.parse(t) for t in texts])
+  with pytest.raises(sweeps.SweepError, match=match):
+    sweeps.expand_grid([sweeps.Axis.parse(t) for t in texts])
 
 
 def test_effective_lr_needs_a_clip():
-  cell = sweep.expand_grid([sweep.Axis.parse("effective_lr=1")])[0]
-  with pytest.raises(sweep.SweepError, match="l2_norm_clip"):
+  cell = sweeps.expand_grid([sweeps.Axis.parse("effective_lr=1")])[0]
+  with pytest.raises(sweeps.SweepError, match="l2_norm_clip"):
     cell.launcher_flags({})
   assert cell.launcher_flags({"l2_norm_clip": "4"}) == ["--learning_rate=0.25"]
 
 
 def test_resume_refuses_a_cell_started_with_other_flags(tmp_path):
-  axes = (sweep.Axis.parse("learning_rate=0.1,0.2"),)
-  old = sweep.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
+  axes = (sweeps.Axis.parse("learning_rate=0.1,0.2"),)
+  old = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
                            fixed=(("epochs", "1"),))
-  new = sweep.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
+  new = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
                            fixed=(("epochs", "2"),))
-  cell = sweep.expand_grid(axes)[0]
-  directory = sweep.cell_dir(old, cell)
+  cell = sweeps.expand_grid(axes)[0]
+  directory = sweeps.cell_dir(old, cell)
   os.makedirs(directory)
   with open(os.path.join(directory, "cell.json"), "w") as f:
-    json.dump(sweep._cell_record(old, cell), f)
-  sweep.check_cell_record(old, cell, directory)           # same flags: fine
-  with pytest.raises(sweep.SweepError, match="different settings"):
-    sweep.check_cell_record(new, cell, directory)
+    json.dump(sweeps.cell_record(old, cell), f)
+  sweeps.check_cell_record(old, cell, directory)           # same flags: fine
+  with pytest.raises(sweeps.SweepError, match="different settings"):
+    sweeps.check_cell_record(new, cell, directory)
 
 
 def test_fresh_seeds_and_explicit_seeds_conflict():
-  with pytest.raises(sweep.SweepError, match="cell_seeds"):
-    sweep.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),))
-  sweep.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),),
+  with pytest.raises(sweeps.SweepError, match="cell_seeds"):
+    sweeps.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),))
+  sweeps.SweepOptions(base="mnist", sweep_dir="x", axes=(), fixed=(("seed", "1"),),
                      cell_seeds="base")
+
+
+# ---------------------------------------------------------------------------
+# Robustness of a heatmap.
+# ---------------------------------------------------------------------------
+def test_robustness_summary_hand_case():
+  acc = [[0.90, 0.91, float("nan")],   # lr 0.1
+         [0.95, 0.94, 0.93],           # lr 0.2: best row; 93 is exactly 2 points below
+         [0.50, 0.929, 0.96]]          # lr 0.4: 96 is the best cell
+  s = sweeps.robustness_summary(acc, threshold_points=2.0)
+  assert s["best"] == pytest.approx(96.0) and s["best_cell"] == (2, 2)
+  assert s["spread_at_best_row"] == pytest.approx(46.0)   # 96 - 50
+  assert s["cells"] == 8
+  assert s["near_best"] == 3                               # 96, 95, 94 (93.0 < 94)
+  s = sweeps.robustness_summary(acc, threshold_points=3.0)
+  assert s["near_best"] == 4                               # + 93.0, exactly 3 below
+  for bad in ([[float("nan")]], [0.5, 0.6], [[]]):
+    with pytest.raises(sweeps.SweepError):
+      sweeps.robustness_summary(bad)
+
+
+def write_cell(opts, cell, record):
+  """A finished cell as a launcher leaves it: its cell.json and privacy_report.json."""
+  directory = sweeps.cell_dir(opts, cell)
+  os.makedirs(directory)
+  with open(os.path.join(directory, "cell.json"), "w") as f:
+    json.dump({**sweeps.cell_record(opts, cell), "seconds": 1.0}, f)
+  export.write_privacy_report(directory, **record.to_dict())
+
+
+def test_summary_of_recorded_private_and_non_private_cells(tmp_path):
+  """Results, report and printed summary from run records alone (no training)."""
+  axes = (sweeps.Axis.parse("optimizer=dpnsgd,sgd"),)
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path), axes=axes,
+                             fixed=(("target_epsilon", "4"),), curves=("none",))
+  dp, sgd = sweeps.expand_grid(axes)
+  run = {"final_metrics": {"accuracy": 0.5, "loss": 1.0}, "best_val_accuracy": 0.6}
+  report = accounting.compute_epsilon(200, 50, 1.5, 1e-5, "poisson", steps=8)
+  write_cell(opts, dp, RunRecord.from_privacy_report(
+      report, hyperparameters={"optimizer": "dpnsgd"}, **run))
+  write_cell(opts, sgd, RunRecord.non_private(steps=8, dataset_size=200,
+                                              hyperparameters={"optimizer": "sgd"}, **run))
+  rows = {r["cell"]: r for r in (sweeps.cell_result(opts, c) for c in (dp, sgd))}
+  assert rows[sgd.name]["private"] is False and rows[sgd.name]["epsilon"] is None
+  assert rows[dp.name]["epsilon"] == pytest.approx(report.epsilon)
+  printed = []
+  summary = sweeps.summarize(opts, [dp, sgd], print_fn=printed.append)
+  assert summary["finished"] == 2 and summary["whole_sweep"]["runs"] == 1
+  assert any("one run epsilon" in line for line in printed)
+  results = strict_json(tmp_path / "results.json")
+  assert {c["optimizer"]: c["epsilon"] for c in results["cells"]}["sgd"] is None
+  strict_json(tmp_path / "report.json")
+  with open(tmp_path / "results.csv") as f:
+    csv_rows = {r["optimizer"]: r for r in csv.DictReader(f)}
+  assert csv_rows["sgd"]["epsilon"] == "" and csv_rows["sgd"]["private"] == "False"
+  sgd_png = next(p for p in summary["heatmaps"] if p.endswith("optimizer_sgd.png"))
+  assert plots.read_annotations(sgd_png)["panels"][0]["title"] == "non-private"
 
 
 # ---------------------------------------------------------------------------
@@ -243,20 +304,20 @@ def strict_json(path):
 
 
 def test_sgd_cells_drop_the_fixed_privacy_flags_and_refuse_privacy_axes():
-  opts = sweep.SweepOptions(base="mnist", sweep_dir="x",
-                            axes=(sweep.Axis.parse("optimizer=dpnsgd,sgd"),),
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir="x",
+                            axes=(sweeps.Axis.parse("optimizer=dpnsgd,sgd"),),
                             fixed=(("target_epsilon", "4"), ("epochs", "1")))
-  dp, sgd = sweep.expand_grid(opts.axes)
+  dp, sgd = sweeps.expand_grid(opts.axes)
   assert opts.cell_argv(dp) == ["--target_epsilon=4", "--epochs=1", "--optimizer=dpnsgd"]
   assert opts.cell_argv(sgd) == ["--epochs=1", "--optimizer=sgd"]
-  axes = (sweep.Axis.parse("optimizer=dpnsgd,sgd"), sweep.Axis.parse("target_epsilon=2,4"))
-  opts = sweep.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
-  with pytest.raises(sweep.SweepError, match="condition that axis"):
-    sweep.check_cells(opts, sweep.expand_grid(axes))
-  axes = (sweep.Axis.parse("optimizer=dpnsgd,sgd"),
-          sweep.Axis.parse("target_epsilon=2,4@optimizer=dpnsgd"))
-  opts = sweep.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
-  sweep.check_cells(opts, sweep.expand_grid(axes))  # fine: conditioned on the private cells
+  axes = (sweeps.Axis.parse("optimizer=dpnsgd,sgd"), sweeps.Axis.parse("target_epsilon=2,4"))
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
+  with pytest.raises(sweeps.SweepError, match="condition that axis"):
+    sweeps.check_cells(opts, sweeps.expand_grid(axes))
+  axes = (sweeps.Axis.parse("optimizer=dpnsgd,sgd"),
+          sweeps.Axis.parse("target_epsilon=2,4@optimizer=dpnsgd"))
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir="x", axes=axes)
+  sweeps.check_cells(opts, sweeps.expand_grid(axes))  # fine: conditioned on the private cells
 
 
 def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):

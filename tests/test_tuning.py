@@ -10,6 +10,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import sweeps
 from tf_dpnsgd import tuning
 
 INT_ORDERS = np.arange(2.0, 65.0)
@@ -177,23 +178,22 @@ def test_worst_case_is_the_least_private_run():
       out["naive_composition"]["epsilon"]
 
 
-@pytest.mark.parametrize("conversion", ["classic", "modern"])
-def test_rdp_to_delta_inverts_rdp_to_epsilon(conversion):
-  orders = np.array(accounting.DEFAULT_ORDERS)
-  rdp = 300 * accounting.rdp_curve(accounting.make_spec(5000, 100, "poisson"), 1.0).rdp
-  eps, _ = tuning.rdp_to_epsilon(orders, rdp, DELTA, conversion)
-  assert tuning.rdp_to_delta(orders, rdp, eps, conversion) == pytest.approx(DELTA, rel=1e-3)
-  assert tuning.rdp_to_delta(orders, rdp, eps + 0.5, conversion) < DELTA
-
-
-def test_common_orders_and_infinite_values():
-  orders, matrix = tuning.common_orders([([2.0, 3.0, 4.0], [1.0, 2.0, 3.0]),
-                                         ([3.0, 4.0, 8.0], [0.5, np.inf, 9.0])])
-  assert orders.tolist() == [3.0, 4.0]
-  assert matrix.tolist() == [[2.0, 3.0], [0.5, np.inf]]
+def test_infinite_curve_gives_infinite_tuning_epsilon():
   # A curve that is infinite everywhere gives an infinite tuning epsilon, not an error.
   out = tuning.tuning_epsilon(tuning.Poisson(3.0), [2.0, 3.0], [np.inf, np.inf], DELTA)
   assert out["epsilon"] == math.inf
+
+
+def test_curve_algebra_and_robustness_are_re_exported():
+  # The RDP-curve algebra moved to tf_dpnsgd.accounting.rdp (tested in test_accounting.py),
+  # the robustness summary to tf_dpnsgd.sweeps (test_sweep.py); the old names still work.
+  for name in ("validate_curve", "monotone_rdp", "common_orders", "composed_rdp",
+               "worst_case_rdp", "rdp_to_epsilon", "rdp_to_delta"):
+    assert getattr(tuning, name) is getattr(accounting, name)
+  assert tuning.robustness_summary is sweeps.robustness_summary
+  assert issubclass(tuning.TuningError, accounting.AccountingError)
+  with pytest.raises(AttributeError):
+    tuning.no_such_name  # pylint: disable=pointless-statement
 
 
 @pytest.mark.parametrize("make", [
@@ -204,12 +204,7 @@ def test_common_orders_and_infinite_values():
     lambda: tuning.TruncatedNegativeBinomial.with_mean(1.0, 1.0),
     lambda: tuning.Poisson(0.0),
     lambda: tuning.Poisson(float("inf")),
-    lambda: tuning.validate_curve([1.0, 2.0], [0.1, 0.2]),
-    lambda: tuning.validate_curve([2.0, 3.0], [0.1, -0.2]),
-    lambda: tuning.validate_curve([2.0, 3.0], [0.1]),
-    lambda: tuning.rdp_to_epsilon([2.0], [0.1], DELTA, "exact"),
     lambda: tuning.tuning_privacy([], DELTA),
-    lambda: tuning.robustness_summary([[float("nan")]]),
 ])
 def test_bad_input_raises(make):
   with pytest.raises(tuning.TuningError):
@@ -236,21 +231,8 @@ def test_run_privacy_from_report():
 
 
 # ---------------------------------------------------------------------------
-# Robustness and the chance of landing near the best.
+# The chance of landing near the best.
 # ---------------------------------------------------------------------------
-def test_robustness_summary_hand_case():
-  acc = [[0.90, 0.91, float("nan")],   # lr 0.1
-         [0.95, 0.94, 0.93],           # lr 0.2: best row; 93 is exactly 2 points below
-         [0.50, 0.929, 0.96]]          # lr 0.4: 96 is the best cell
-  s = tuning.robustness_summary(acc, threshold_points=2.0)
-  assert s["best"] == pytest.approx(96.0) and s["best_cell"] == (2, 2)
-  assert s["spread_at_best_row"] == pytest.approx(46.0)   # 96 - 50
-  assert s["cells"] == 8
-  assert s["near_best"] == 3                               # 96, 95, 94 (93.0 < 94)
-  s = tuning.robustness_summary(acc, threshold_points=3.0)
-  assert s["near_best"] == 4                               # + 93.0, exactly 3 below
-
-
 def test_random_search_success_probabilities():
   # Poisson thinning: P[no good cell] = exp(-mu p).
   assert tuning.random_search_success(tuning.Poisson(4.0), 0.25) == pytest.approx(

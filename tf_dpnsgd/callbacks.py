@@ -30,6 +30,7 @@ plugin's metadata, so it works without the ``tensorboard`` package, which
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -39,9 +40,13 @@ import keras
 import tensorflow as tf
 
 from tf_dpnsgd import ledger as ledger_lib
-from tf_dpnsgd.plan import PrivacyPlan
 
 EPSILON_KEY = "epsilon"
+
+# What the callback uses of a plan (a tf_dpnsgd.plan.PrivacyPlan has all of them). Checked
+# by name, so that this module need not import the plan module (which imports this one).
+PLAN_ATTRIBUTES = ("accountant", "sampling", "delta", "report", "check_ledger",
+                   "check_optimizer", "step_accountant", "public_dict")
 
 
 class PrivacyBudgetExceededError(RuntimeError):
@@ -70,6 +75,14 @@ def steps_taken(model) -> int:
   return ledger_lib.ledger_of(model).steps
 
 
+def _is_plan(plan) -> bool:
+  """Whether ``plan`` has every attribute in :data:`PLAN_ATTRIBUTES` (looked up without
+  evaluating properties, so a plan's cached calibration is not triggered here)."""
+  missing = object()
+  return all(inspect.getattr_static(plan, name, missing) is not missing
+             for name in PLAN_ATTRIBUTES)
+
+
 class PrivacyCallback(keras.callbacks.Callback):
   """Logs epsilon spent and optionally stops training before it exceeds a budget.
 
@@ -94,11 +107,11 @@ class PrivacyCallback(keras.callbacks.Callback):
     stopped_by_budget: whether the budget stopped training.
   """
 
-  def __init__(self, plan: PrivacyPlan, epsilon_budget: Optional[float] = None,
+  def __init__(self, plan, epsilon_budget: Optional[float] = None,
                log_dir: Optional[str] = None, state_path: Optional[str] = None,
                update_freq: str = "auto", check_optimizer: bool = True):
     super().__init__()
-    if not isinstance(plan, PrivacyPlan):
+    if not _is_plan(plan):
       raise TypeError(f"`plan` must be a tf_dpnsgd.plan.PrivacyPlan; got {plan!r}.")
     if epsilon_budget is not None:
       epsilon_budget = float(epsilon_budget)

@@ -21,23 +21,21 @@ reproducibility experiments only, and the privacy report says when one was used.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dpnsgd.accounting import validation as _validation
+
 
 def validate_noise_multiplier(noise_multiplier) -> float:
-  """Raises ``ValueError`` unless ``noise_multiplier`` is a finite number >= 0."""
-  try:
-    value = float(noise_multiplier)
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-        f"`noise_multiplier` must be a finite number >= 0; got {noise_multiplier!r}.") from e
-  if not math.isfinite(value) or value < 0:
-    raise ValueError(f"`noise_multiplier` must be a finite number >= 0; got {noise_multiplier!r}.")
-  return value
+  """Returns ``noise_multiplier`` as a float; raises unless it is a finite number >= 0.
+
+  :func:`tf_dpnsgd.accounting.validate_noise_multiplier` with ``allow_zero=True`` (0 adds
+  no noise); the error is an :class:`~tf_dpnsgd.accounting.AccountingError`, a ``ValueError``.
+  """
+  return _validation.validate_noise_multiplier(noise_multiplier, allow_zero=True)
 
 
 def random_seed() -> int:

@@ -1,5 +1,8 @@
 """DP optimizers: any Keras optimizer made private, and the paper's four by name.
 
+This module is long (about 470 lines): the wrapper and the four named optimizers share one
+``__init__``/``get_config`` contract, which is easier to keep in step in one file.
+
 :func:`make_private_optimizer` wraps ANY Keras 3 optimizer (SGD with momentum,
 Adam, AdamW, Nadam, Lion, Adafactor, ...) in a :class:`PrivateOptimizer`,
 which owns

@@ -44,6 +44,7 @@ import math
 from typing import Optional
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
 
@@ -140,7 +141,7 @@ class PrivacyPlan:
       kwargs = {"max_batch_size": self.max_batch_size,
                 "overflow_probability": self.overflow_probability}
     return sampling_lib.make_sampler(self.sampling, self.dataset_size, self.batch_size,
-                                     seed=self.seed, **kwargs)
+                                     seed=self.seed, spec=self.spec, **kwargs)
 
   @functools.cached_property
   def step_accountant(self) -> accounting.StepAccountant:
@@ -149,9 +150,10 @@ class PrivacyPlan:
 
   # --- the four things the plan yields ---------------------------------------
   def dp_event(self, steps: Optional[int] = None):
-    """The sampler's dp-accounting event for ``steps`` (default: all planned) steps."""
+    """The sampler's dp-accounting event for ``steps`` (default: all planned) steps (the
+    sampler holds this plan's :attr:`spec`)."""
     steps = self.num_steps if steps is None else steps
-    return self.sampler.dp_event(self.training_noise_multiplier, steps, self.accountant)
+    return self.sampler.dp_event(self.training_noise_multiplier, steps)
 
   def epsilon(self, steps: Optional[int] = None) -> float:
     return self.step_accountant.epsilon(self.num_steps if steps is None else steps)
@@ -260,7 +262,6 @@ class PrivacyPlan:
 
   def callbacks(self, log_dir=None, state_path=None, stop_at_budget: bool = True) -> list:
     """``[PrivacyCallback]`` logging epsilon and (by default) stopping at the planned epsilon."""
-    from tf_dpnsgd import callbacks as callbacks_lib  # local: callbacks imports this module
     budget = self.epsilon() if stop_at_budget else None
     return [callbacks_lib.PrivacyCallback(self, epsilon_budget=budget, log_dir=log_dir,
                                           state_path=state_path)]

@@ -1,5 +1,8 @@
 """Batch samplers that name the dp-accounting event they realise.
 
+This module is long (about 450 lines): the three samplers share one base class (index
+streams, tags, the ``tf.data`` pipeline), kept in one file with the event each realises.
+
 A privacy claim is only as good as the match between how batches were drawn
 and how epsilon was computed. Each sampler here draws batches one way and
 returns, from :meth:`Sampler.dp_event`, the event that
@@ -112,11 +115,15 @@ class Sampler:
     dataset_size: ``N``.
     batch_size: ``B`` (the expected batch size ``qN`` for Poisson).
     seed: non-negative int; ``None`` draws one from the OS (recorded here).
+    spec: keyword only: the :class:`~tf_dpnsgd.accounting.AccountingSpec` of this
+      sampler's batches (a :class:`~tf_dpnsgd.plan.PrivacyPlan` passes its own; same
+      sampling, ``N``, ``B``); ``None``: :meth:`accounting_spec` builds one.
   """
 
   dataset_size: int
   batch_size: int
   seed: Optional[int] = None
+  spec: Optional[accounting.AccountingSpec] = dataclasses.field(default=None, kw_only=True)
 
   sampling: ClassVar[str] = ""
 
@@ -130,6 +137,14 @@ class Sampler:
         or self.seed < 0:
       raise ValueError(f"`seed` must be a non-negative integer or None; got {self.seed!r}.")
     object.__setattr__(self, "seed", int(self.seed))
+    if self.spec is not None:
+      if not isinstance(self.spec, accounting.AccountingSpec):
+        raise TypeError(f"`spec` must be an AccountingSpec or None; got {self.spec!r}.")
+      mine = (self.sampling, self.dataset_size, self.batch_size)
+      theirs = (self.spec.sampling, self.spec.dataset_size, self.spec.batch_size)
+      if mine != theirs:
+        raise ValueError(f"`spec` accounts for (sampling, N, B) = {theirs}, but this sampler "
+                         f"draws {mine}: the epsilon would not describe its batches.")
 
   # --- accounting --------------------------------------------------------
   @property
@@ -145,16 +160,26 @@ class Sampler:
     """``N // B`` (an epoch is nominal for Poisson and uniform sampling)."""
     return self.dataset_size // self.batch_size
 
-  def accounting_spec(self, accountant="rdp", bound="default", conversion="modern",
+  def accounting_spec(self, accountant=None, bound=None, conversion=None,
                       orders=None) -> accounting.AccountingSpec:
-    """The accounting assumptions that match this sampler."""
-    return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling, accountant,
-                                bound, conversion, orders)
+    """The accounting assumptions that match this sampler.
 
-  def dp_event(self, noise_multiplier: float, steps: int = 1, accountant: str = "rdp"):
+    Its :attr:`spec` (a plan's) when no argument is given; otherwise that spec
+    (or, for a standalone sampler, ``accountant="rdp"``, ``bound="default"``,
+    ``conversion="modern"``) with the given arguments replaced.
+    """
+    changes = {k: v for k, v in (("accountant", accountant), ("bound", bound),
+                                 ("conversion", conversion), ("orders", orders))
+               if v is not None}
+    if self.spec is not None:
+      return dataclasses.replace(self.spec, **changes) if changes else self.spec
+    return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling, **changes)
+
+  def dp_event(self, noise_multiplier: float, steps: int = 1, accountant: Optional[str] = None):
     """The dp-accounting event of ``steps`` steps drawn by this sampler.
 
-    The noise multiplier inside is in the convention of ``accountant`` (see
+    The noise multiplier inside is in the convention of ``accountant``
+    (default: the :attr:`spec`'s, else ``"rdp"``; see
     :meth:`tf_dpnsgd.accounting.AccountingSpec.accountant_noise_multiplier`);
     compose it into an accountant made by ``accounting_spec(...).make_accountant()``.
     """

@@ -74,11 +74,6 @@ def global_norms(per_unit_grads: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.sqrt(tf.add_n(squares))
 
 
-def norms_from_squared(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
-  """Combines per-unit squared norms of several parameter groups into norms."""
-  return tf.sqrt(tf.add_n([tf.cast(s, tf.float32) for s in squared_norms]))
-
-
 def _finite_and_masked(norms: tf.Tensor, factors: tf.Tensor, mask: tf.Tensor | None):
   keep = tf.math.is_finite(norms)
   if mask is not None:

@@ -1,4 +1,8 @@
-"""The math of hyperparameter tuning: its privacy cost, and how robust a grid is.
+"""The math of hyperparameter tuning: its privacy cost, and the chance of landing near the best.
+
+This module is long (about 520 lines, 70 of them this docstring): the two theorems of
+Papernot & Steinke (2022) are stated here with the two trial distributions they are about,
+so each bound can be checked against its statement in one file.
 
 Privacy of tuning
 =================
@@ -36,15 +40,21 @@ What the bounds assume (stated in every report):
   (any data-independent choice works); the *grid* that was actually swept
   and published is covered by the naive composition only.
 
-Robustness of a grid
-====================
+Landing near the best
+=====================
 
-:func:`robustness_summary` condenses one heatmap (rows: learning rate;
-columns: regularizer ``r`` or clip ``c``) into the numbers of the paper's
-claim: the spread of accuracy across the columns at the best learning rate
-and the number of cells within ``threshold`` points of the best.
-:func:`random_search_success` then says how likely random search with a
-given trial distribution is to land in such a near-best cell.
+:func:`random_search_success` says how likely random search with a given
+trial distribution is to land in a near-best cell (e.g. the fraction that
+:func:`tf_dpnsgd.sweeps.robustness_summary` finds in a heatmap, which this
+module re-exports as ``robustness_summary``); :func:`poisson_for_success` and
+:func:`truncated_negative_binomial_for_success` give the fewest trials that
+reach one with a given probability.
+
+The algebra of RDP curves used here (:func:`validate_curve`,
+:func:`monotone_rdp`, :func:`composed_rdp`, :func:`worst_case_rdp`,
+:func:`rdp_to_epsilon`, :func:`rdp_to_delta`, ...) lives in
+:mod:`tf_dpnsgd.accounting.rdp` and is re-exported here; it raises
+:class:`tf_dpnsgd.accounting.AccountingError`.
 
 References:
   Papernot, Steinke (2022), "Hyperparameter Tuning with Renyi Differential
@@ -66,147 +76,20 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
 from tf_dpnsgd import accounting
+# The algebra of RDP curves lives beside the other RDP code; re-exported (public API).
+from tf_dpnsgd.accounting.rdp import (common_orders, composed_rdp, monotone_rdp, rdp_to_delta,
+                                      rdp_to_epsilon, validate_conversion, validate_curve,
+                                      worst_case_rdp)
 
 
-class TuningError(ValueError):
-  """A tuning-privacy request with no valid answer (bad parameters or inconsistent runs)."""
+class TuningError(accounting.AccountingError):
+  """A tuning-privacy request with no valid answer (bad parameters or inconsistent runs).
 
-
-# --------------------------------------------------------------------------
-# RDP curves: validation, order monotonicity, composition, worst case.
-# --------------------------------------------------------------------------
-def validate_curve(orders, rdp) -> tuple[np.ndarray, np.ndarray]:
-  """Returns ``(orders, rdp)`` as float arrays sorted by order.
-
-  Raises:
-    TuningError: different lengths, an order ``<= 1`` or not finite, a NaN or
-      negative RDP value (``+inf`` is allowed: no bound at that order).
+  A subclass of :class:`tf_dpnsgd.accounting.AccountingError` (a ``ValueError``), which
+  the RDP-curve functions re-exported here (:func:`validate_curve`, ...) raise.
   """
-  orders = np.asarray(orders, dtype=np.float64).ravel()
-  rdp = np.asarray(rdp, dtype=np.float64).ravel()
-  if orders.shape != rdp.shape or orders.size == 0:
-    raise TuningError(f"`orders` and `rdp` must be non-empty and of the same length; got "
-                      f"{orders.size} and {rdp.size}.")
-  if not np.all(np.isfinite(orders)) or np.any(orders <= 1.0):
-    raise TuningError(f"RDP orders must be finite and > 1; got {orders.tolist()}.")
-  if np.any(np.isnan(rdp)) or np.any(rdp < 0):
-    raise TuningError("RDP values must be >= 0 (inf allowed where no bound holds); got "
-                      f"{rdp.tolist()}.")
-  if len(np.unique(orders)) != orders.size:
-    raise TuningError("RDP orders must be distinct.")
-  i = np.argsort(orders)
-  return orders[i], rdp[i]
-
-
-def monotone_rdp(orders, rdp) -> np.ndarray:
-  """Tightens an RDP bound with its monotonicity in the order.
-
-  Renyi divergence is non-decreasing in the order (van Erven & Harremoes 2014,
-  Thm. 3), so ``(b, e)``-RDP implies ``(a, e)``-RDP for every ``a <= b``; the
-  bound at ``a`` is the minimum of the bounds at orders ``>= a``.
-
-  >>> monotone_rdp([2.0, 3.0, 4.0], [5.0, 1.0, 2.0]).tolist()
-  [1.0, 1.0, 2.0]
-  """
-  orders, rdp = validate_curve(orders, rdp)
-  return np.minimum.accumulate(rdp[::-1])[::-1]
-
-
-def common_orders(curves: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
-  """Restricts ``[(orders, rdp), ...]`` to the orders all curves share.
-
-  Returns ``(orders, matrix)`` with one row per curve. Dropping orders only
-  removes candidate bounds, so any epsilon computed from the result is valid
-  (never smaller than with more orders).
-
-  Raises:
-    TuningError: no curves, or no order common to all.
-  """
-  if not curves:
-    raise TuningError("No RDP curves given.")
-  checked = [validate_curve(o, r) for o, r in curves]
-  shared = checked[0][0]
-  for o, _ in checked[1:]:
-    shared = np.intersect1d(shared, o)
-  if shared.size == 0:
-    raise TuningError("The RDP curves share no order.")
-  rows = [r[np.searchsorted(o, shared)] for o, r in checked]
-  return shared, np.vstack(rows)
-
-
-def composed_rdp(curves: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
-  """RDP of running (and releasing) all the runs: the sum of their curves.
-
-  Adaptive composition, Mironov (2017) Prop. 1. The naive bound on a sweep
-  that publishes every cell.
-  """
-  orders, matrix = common_orders(curves)
-  return orders, matrix.sum(axis=0)
-
-
-def worst_case_rdp(curves: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
-  """RDP of one trial that runs a data-independently chosen one of the runs.
-
-  A mixture (with data-independent weights) of mechanisms that are each
-  ``(lambda, e_i)``-RDP is ``(lambda, max_i e_i)``-RDP, by the joint
-  quasi-convexity of Renyi divergence (van Erven & Harremoes 2014, Thm. 13).
-  Used when the trials of a random search have different noise multipliers
-  or step counts: the pointwise maximum over the grid's curves.
-  """
-  orders, matrix = common_orders(curves)
-  return orders, matrix.max(axis=0)
-
-
-# --------------------------------------------------------------------------
-# RDP <-> (epsilon, delta), with the package's conversions.
-# --------------------------------------------------------------------------
-def _validate_conversion(conversion: str) -> str:
-  if conversion not in accounting.CONVERSIONS:
-    raise TuningError(f"`conversion` must be one of {accounting.CONVERSIONS}; got {conversion!r}.")
-  return conversion
-
-
-def rdp_to_epsilon(orders, rdp, delta: float, conversion: str = "modern"
-                   ) -> tuple[float, Optional[float]]:
-  """``(epsilon, optimal order)`` at ``delta``: :func:`tf_dpnsgd.accounting.modern_epsilon`
-  or :func:`~tf_dpnsgd.accounting.classic_epsilon`, the conversions every run report uses."""
-  orders, rdp = validate_curve(orders, rdp)
-  conversion = _validate_conversion(conversion)
-  convert = accounting.modern_epsilon if conversion == "modern" else accounting.classic_epsilon
-  return convert(orders, rdp, delta)
-
-
-def rdp_to_delta(orders, rdp, epsilon: float, conversion: str = "modern") -> float:
-  """The smallest ``delta`` such that the curve implies ``(epsilon, delta)``-DP.
-
-  * ``classic``: Mironov (2017) Prop. 3 solved for delta:
-    ``min_a exp((a - 1) (rdp(a) - epsilon))``.
-  * ``modern``: dp-accounting's ``compute_delta`` (Canonne, Kamath, Steinke
-    2020 Prop. 12, and the KL bound ``sqrt(1 - exp(-rdp))``).
-
-  Both are inverses of :func:`rdp_to_epsilon` with the same conversion.
-  Result capped at 1.
-
-  >>> round(rdp_to_delta([2.0, 3.0], [0.5, 1.0], 1.5, "classic"), 6)   # exp(-1) at a = 2
-  0.367879
-  """
-  orders, rdp = validate_curve(orders, rdp)
-  conversion = _validate_conversion(conversion)
-  if not epsilon >= 0:
-    raise TuningError(f"`epsilon` must be >= 0; got {epsilon!r}.")
-  if conversion == "modern":
-    finite = np.isfinite(rdp)
-    if not np.any(finite):
-      return 1.0
-    delta, _ = _rdp_lib.compute_delta(orders[finite].tolist(), rdp[finite].tolist(), epsilon)
-    return min(float(delta), 1.0)
-  with np.errstate(over="ignore", invalid="ignore"):
-    log_delta = (orders - 1.0) * (rdp - epsilon)
-  log_delta = np.where(np.isnan(log_delta), np.inf, log_delta)
-  return float(min(1.0, math.exp(min(0.0, float(np.min(log_delta))))))
 
 
 # --------------------------------------------------------------------------
@@ -487,6 +370,11 @@ class RunPrivacy:
                                 conversion=report.get("conversion") or "modern")
     return cls(spec, float(report["noise_multiplier"]), int(report["steps"]))
 
+  @classmethod
+  def from_record(cls, record) -> "RunPrivacy":
+    """From a :class:`tf_dpnsgd.records.RunRecord` (see :meth:`from_report`)."""
+    return cls.from_report(record.to_dict())
+
 
 def run_rdp(run: RunPrivacy, cache: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
   """The RDP curve of a whole run: per-composition curve times the number of compositions.
@@ -539,7 +427,7 @@ def tuning_privacy(runs: Sequence[RunPrivacy], delta: float, distributions: Sequ
     if len(conversions) != 1:
       raise TuningError(f"The runs use different conversions {sorted(conversions)}: pass one.")
     conversion = conversions.pop()
-  conversion = _validate_conversion(conversion)
+  conversion = validate_conversion(conversion)
   delta = accounting.validate_delta(delta)
   cache = {} if cache is None else cache
   curves = [run_rdp(r, cache) for r in runs]
@@ -567,54 +455,8 @@ def tuning_privacy(runs: Sequence[RunPrivacy], delta: float, distributions: Sequ
 
 
 # --------------------------------------------------------------------------
-# Robustness of a grid and the chance that random search lands near the best.
+# The chance that random search lands near the best.
 # --------------------------------------------------------------------------
-def robustness_summary(accuracy, threshold_points: float = 2.0) -> dict:
-  """The paper's stability claim as numbers, for one heatmap.
-
-  Args:
-    accuracy: ``[rows, cols]`` accuracies in [0, 1]; rows are learning rates,
-      columns the regularizer ``r`` (DP-NSGD) or clip ``c`` (DP-SGD). NaN marks
-      a missing or failed cell (ignored).
-    threshold_points: "near-best" means within this many percentage points.
-
-  Returns:
-    ``best`` (accuracy, %), ``best_cell`` ``(row, col)``; at the best cell's
-    row: ``spread_at_best_row`` (max - min across columns, points),
-    ``min_at_best_row``; ``near_best`` (cells within the threshold,
-    inclusive), ``cells`` (finite cells) and ``near_best_fraction``.
-
-  >>> s = robustness_summary([[0.90, 0.80], [0.95, 0.935]])
-  >>> s["best"], s["best_cell"], round(s["spread_at_best_row"], 6), s["near_best"]
-  (95.0, (1, 0), 1.5, 2)
-  """
-  acc = np.asarray(accuracy, dtype=np.float64)
-  if acc.ndim != 2 or acc.size == 0:
-    raise TuningError(f"`accuracy` must be a non-empty 2-D array; got shape {acc.shape}.")
-  if not threshold_points >= 0:
-    raise TuningError(f"`threshold_points` must be >= 0; got {threshold_points!r}.")
-  points = 100.0 * acc
-  finite = np.isfinite(points)
-  if not np.any(finite):
-    raise TuningError("No finite accuracy in the grid.")
-  flat = int(np.nanargmax(np.where(finite, points, -np.inf)))
-  row, col = divmod(flat, acc.shape[1])
-  best = float(points[row, col])
-  best_row = points[row][np.isfinite(points[row])]
-  # A small absolute slack absorbs float rounding of "exactly threshold points below".
-  near = finite & (points >= best - threshold_points - 1e-9)
-  return {
-      "best": best,
-      "best_cell": (int(row), int(col)),
-      "spread_at_best_row": float(best_row.max() - best_row.min()),
-      "min_at_best_row": float(best_row.min()),
-      "near_best": int(near.sum()),
-      "cells": int(finite.sum()),
-      "near_best_fraction": float(near.sum() / finite.sum()),
-      "threshold_points": float(threshold_points),
-  }
-
-
 def random_search_success(distribution, good_fraction: float) -> float:
   """P[random search draws at least one near-best cell] = ``1 - E[(1 - p)^K]``.
 
@@ -662,6 +504,16 @@ def truncated_negative_binomial_for_success(eta: float, good_fraction: float,
     else:
       hi = mid
   return TruncatedNegativeBinomial(eta, math.exp(lo))
+
+
+def __getattr__(name):
+  """``robustness_summary`` moved to :mod:`tf_dpnsgd.sweeps.results` (beside the sweep
+  results it summarises); the old name still works. Imported on first use, so that
+  this module does not import the sweeps library (which imports this module)."""
+  if name == "robustness_summary":
+    from tf_dpnsgd.sweeps.results import robustness_summary  # lazy: see the docstring
+    return robustness_summary
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
+import keras
+import tensorflow as tf
 
+from tf_dpnsgd import export as export_lib
+from tf_dpnsgd import models
+from tf_dpnsgd.data import cifar10 as cifar_lib
 from tf_dpnsgd.launch import common
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_dpnsgd import export as export_lib  # noqa: E402
-from tf_dpnsgd import models  # noqa: E402
-from tf_dpnsgd.data import cifar10 as cifar_lib  # noqa: E402
 
 # The paper's setting: batch 1000, 100 epochs, delta 1e-5 (Sec. 5.1).
 common.define_flags(optimizer="dpnsgd", learning_rate=4.0, regularizer=0.01, l2_norm_clip=1.0,
@@ -69,14 +67,14 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=None, std=None)
 
-  report = common.run_experiment(
+  record = common.run_experiment(
       cfg, build_model, (x_train, y_train), (x_test.astype("float32"), y_test),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       export_fn=export_fn, augment_fn=augment_fn,
       extra_report={"dataset": "cifar10", "model": "resnet20_groupnorm",
                     "augment": FLAGS.augment, "groups": FLAGS.groups})
-  print(f"test accuracy {report['final_metrics'].get('accuracy', float('nan')):.4f}; "
-        f"{common.epsilon_text(report)} after {report['steps']} steps")
+  print(f"test accuracy {record.metric('accuracy', float('nan')):.4f}; "
+        f"{record.epsilon_text()} after {record.steps} steps")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Shared machinery of the absl launchers: flags, one run of an experiment, its records.
 
+This module is long (about 600 lines): the shared flags with their validators, the
+config they build and the one training loop all launchers run are kept together, so a
+flag, its check and its use can be read in one place.
+
 Flags are defined and read here and in the launcher modules only; the library
 below takes plain arguments. :func:`run_experiment` takes an
 :class:`ExperimentConfig` (a frozen dataclass built from the flags by
@@ -7,16 +11,16 @@ below takes plain arguments. :func:`run_experiment` takes an
 
 A run with ``model_dir`` writes there:
 
-* ``checkpoint.weights.h5``: model and optimizer state (incl. the noise RNG) at
-  each epoch end; a rerun with the same ``model_dir`` resumes from it, and the
-  sampler continues at the restored step, so the privacy report counts every
-  step taken;
+* ``checkpoint.weights.h5``: model and optimizer state (and the model's privacy
+  ledger; never the noise key) at each epoch end; a rerun with the same
+  ``model_dir`` resumes from it, and the sampler continues at the restored step,
+  so the privacy report counts every step taken;
 * ``history.json``: per-epoch metrics (``loss``, ``accuracy``, ``val_*``,
   ``epsilon``, ``learning_rate``, ``grad_norm``, ...), kept across resumes;
 * ``tensorboard/``: the same scalars for TensorBoard;
-* ``privacy_report.json``: epsilon, delta, noise multiplier, sampling,
-  accountant, steps, dataset size, hyperparameters, package versions and
-  final metrics.
+* ``privacy_report.json``: the run's :class:`~tf_dpnsgd.records.RunRecord`
+  (epsilon, delta, noise multiplier, sampling, accountant, steps, dataset
+  size, hyperparameters, final metrics) and package versions.
 
 Seeds. ``--seed`` fixes only what is public: initialisation and data order
 (the non-private shuffle, augmentation, dropout masks). The DP noise and the
@@ -52,6 +56,7 @@ import tf_dpnsgd
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import schedules
 from tf_dpnsgd.plan import PrivacyPlan
+from tf_dpnsgd.records import RunRecord
 
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd")
 SAMPLINGS = ("poisson", "uniform", "shuffle")
@@ -482,7 +487,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     print_fn: called with ``(epoch, logs)`` at each epoch end.
 
   Returns:
-    The privacy report dict (also written to ``model_dir/privacy_report.json``).
+    The run's :class:`~tf_dpnsgd.records.RunRecord`, also written (``to_dict()``, plus
+    package versions) to ``privacy_report.json`` in ``model_dir`` and ``export_dir``.
   """
   x_train, y_train = train
   n = len(y_train)
@@ -564,28 +570,22 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
 
   steps = steps_of(model)
   final = model.evaluate(*test, verbose=0, return_dict=True)
-  report = {
-      "private": bool(plan),
-      "steps": steps,
-      "dataset_size": n,
-      "hyperparameters": cfg.hyperparameters(),
-      "final_metrics": {k: float(v) for k, v in final.items()},
-      "best_val_accuracy": max(history.get("val_accuracy", [float("nan")])),
-  }
+  run = {"hyperparameters": cfg.hyperparameters(),
+         "final_metrics": {k: float(v) for k, v in final.items()},
+         "best_val_accuracy": max(history.get("val_accuracy", [float("nan")])),
+         "extra": dict(extra_report or {})}
   if plan:
-    report.update(plan.report(model).to_dict())
-    report["noise_multiplier"] = sigma
-  else:
-    # JSON has no inf: no epsilon at all, and "private": false.
-    report.update({"epsilon": None, "delta": None,
-                   "note": "--optimizer=sgd: non-private baseline, no privacy guarantee"})
-  report.update(extra_report or {})
+    record = RunRecord.from_privacy_report(plan.report(model), noise_multiplier=sigma, **run)
+  else:  # no epsilon at all (JSON has no inf), and "private": false
+    record = RunRecord.non_private(steps=steps, dataset_size=n, **run)
   if cfg.model_dir:
-    export_lib.write_privacy_report(os.path.join(cfg.model_dir, "privacy_report.json"), **report)
+    export_lib.write_privacy_report(os.path.join(cfg.model_dir, "privacy_report.json"),
+                                    **record.to_dict())
   if cfg.export_dir:
     export_fn(base, cfg.export_dir)
-    export_lib.write_privacy_report(os.path.join(cfg.export_dir, "privacy_report.json"), **report)
-  return report
+    export_lib.write_privacy_report(os.path.join(cfg.export_dir, "privacy_report.json"),
+                                    **record.to_dict())
+  return record
 
 
 def print_epoch(epoch: int, logs: dict) -> None:
@@ -597,11 +597,9 @@ def print_epoch(epoch: int, logs: dict) -> None:
         f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
 
 
-def epsilon_text(report: dict) -> str:
-  """``"epsilon 3.999 (delta 1e-05)"`` or ``"non-private"`` for a run's report."""
-  if not report.get("private") or report.get("epsilon") is None:
-    return "non-private (no privacy guarantee)"
-  return f"epsilon {float(report['epsilon']):.4g} (delta {report['delta']:g})"
+def epsilon_text(record: RunRecord) -> str:
+  """``"epsilon 3.999 (delta 1e-05)"`` or ``"non-private (no privacy guarantee)"`` for a run."""
+  return record.epsilon_text()
 
 
 def as_numpy_labels(y) -> np.ndarray:

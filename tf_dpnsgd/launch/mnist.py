@@ -21,13 +21,11 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
+import keras
+import numpy as np
 
+from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.launch import common
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tf_dpnsgd import export as export_lib  # noqa: E402
 
 MNIST_TRAIN_SIZE = 60000
 MODELS = ("mlp", "convnet")
@@ -117,14 +115,14 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=(0.0,), std=(1.0,), scale=255.0)
 
-  report = common.run_experiment(
+  record = common.run_experiment(
       cfg, lambda: build(width=FLAGS.width), train, test,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       export_fn=export_fn, print_fn=common.print_epoch,
       extra_report={"dataset": "mnist", "model": FLAGS.model, "width": FLAGS.width})
-  acc = report["final_metrics"].get("accuracy", float("nan"))
-  print(f"final test accuracy {acc:.4f}; {common.epsilon_text(report)} after "
-        f"{report['steps']} steps", flush=True)
+  acc = record.metric("accuracy", float("nan"))
+  print(f"final test accuracy {acc:.4f}; {record.epsilon_text()} after "
+        f"{record.steps} steps", flush=True)
 
 
 if __name__ == "__main__":

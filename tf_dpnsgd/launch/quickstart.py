@@ -22,13 +22,11 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
+import keras
 
+from tf_dpnsgd import data as data_lib
+from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.launch import common
-
-import keras  # noqa: E402
-
-from tf_dpnsgd import data as data_lib  # noqa: E402
-from tf_dpnsgd import export as export_lib  # noqa: E402
 
 common.define_flags(optimizer="dpnsgd", learning_rate=2.0, regularizer=0.01, momentum=0.0,
                     target_epsilon=4.0, delta=1e-5, batch_size=128, epochs=40,
@@ -62,15 +60,16 @@ def main(argv):
     # Inputs of the export are raw digits pixels (0..16), scaled inside.
     export_lib.export_image_classifier(model, export_dir, mean=(0.0,), std=(1.0,), scale=16.0)
 
-  report = common.run_experiment(
+  record = common.run_experiment(
       cfg, digits_mlp, (x_train, y_train), (x_test, y_test),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       export_fn=export_fn, print_fn=common.print_epoch, extra_report={"dataset": "sklearn digits"})
-  acc = report["final_metrics"].get("accuracy")
-  if report["private"]:
-    print(f"final test accuracy {acc:.4f} at ({report['epsilon']:.3f}, {report['delta']:g})-DP "
-          f"after {report['steps']} steps (noise multiplier {report['noise_multiplier']:.3f}, "
-          f"{report['sampling']} sampling, {report['accountant']} accountant)")
+  acc = record.metric("accuracy")
+  if record.private:
+    print(f"final test accuracy {acc:.4f} at ({record.epsilon:.3f}, {record.delta:g})-DP "
+          f"after {record.steps} steps (noise multiplier {record.noise_multiplier:.3f}, "
+          f"{record.accounting['sampling']} sampling, {record.accounting['accountant']} "
+          "accountant)")
   else:
     print(f"final test accuracy {acc:.4f} (non-private)")
   if cfg.model_dir:

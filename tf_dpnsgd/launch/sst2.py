@@ -14,16 +14,14 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
+import keras
+import numpy as np
+import tensorflow as tf
 
+from tf_dpnsgd import export as export_lib
+from tf_dpnsgd.data import glue
 from tf_dpnsgd.launch import common
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_dpnsgd import export as export_lib  # noqa: E402
-from tf_dpnsgd.data import glue  # noqa: E402
-from tf_dpnsgd.models import text  # noqa: E402
+from tf_dpnsgd.models import text
 
 # The paper's setting: batch 1000, 10 epochs, epsilon 8, delta 1e-5, embeddings frozen.
 common.define_flags(optimizer="dpnsgd", learning_rate=0.5, regularizer=0.01, l2_norm_clip=1.0,
@@ -68,15 +66,15 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_text_classifier(model, preprocessor, export_dir)
 
-  report = common.run_experiment(
+  record = common.run_experiment(
       cfg, lambda: classifier, (x_train, common.as_numpy_labels(train_y)),
       (x_dev, common.as_numpy_labels(dev_y)),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), export_fn=export_fn,
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings,
                     "sequence_length": FLAGS.sequence_length})
-  print(f"dev accuracy {report['final_metrics'].get('accuracy', float('nan')):.4f}; "
-        f"{common.epsilon_text(report)} after {report['steps']} steps")
+  print(f"dev accuracy {record.metric('accuracy', float('nan')):.4f}; "
+        f"{record.epsilon_text()} after {record.steps} steps")
 
 
 if __name__ == "__main__":

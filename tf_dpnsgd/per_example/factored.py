@@ -1,5 +1,8 @@
 """Per-unit gradients of one variable, kept in factored form.
 
+(A long module, about 800 lines, on purpose: each representation keeps its norm,
+its rigorous rounding bound and its float64 recomputation together.)
+
 The layer-wise engine never builds ``[U, *var_shape]`` per-unit gradients
 unless that is the cheaper way to get their norms. A layer rule (see
 :mod:`tf_dpnsgd.per_example.registry`) describes the per-unit gradient of each
@@ -17,19 +20,97 @@ representation         per-unit gradient ``g_u``                   used by
 
 Each one answers two questions, both pure functions of its tensors:
 
-* ``squared_norms()``: ``[U]`` values ``||g_u||^2``. :class:`Outer` picks per
-  call between the ghost-norm identity (Goodfellow 2015; Li et al. 2021)
-  ``||sum_t a_t b_t^T||^2 = sum_{t,s} <a_t, a_s> <b_t, b_s>`` at cost
-  ``T^2 (p + q)`` and materialising ``g_u`` at cost ``T p q``, whichever is
-  cheaper for the shapes (:func:`use_ghost`).
+* ``squared_norms()``: ``[U]`` float64 **upper bounds** of ``||g_u||^2``.
+  :class:`Outer` picks per call between the ghost-norm identity (Goodfellow
+  2015; Li et al. 2021) ``||sum_t a_t b_t^T||^2 = sum_{t,s} <a_t, a_s> <b_t, b_s>``
+  at cost ``T^2 (p + q)`` and materialising ``g_u`` at cost ``T p q``,
+  whichever is cheaper for the shapes (:func:`use_ghost`).
 * ``weighted_sum(factors)``: ``sum_u factors[u] g_u`` from the same tensors
   (book-keeping, Bu et al. 2022): no second backward pass.
 
-Formal guarantee of ``weighted_sum`` (for every representation): a unit whose
-factor is 0 (masked, or with a non-finite norm) contributes exactly 0, even if
-its tensors hold NaN or inf: its rows are replaced by zeros with ``tf.where``
-before any product or reduction over units (:func:`zero_dropped_units`), so
-``0 * nan`` never reaches the sum.
+Formal guarantees
+-----------------
+
+Why this needs care: the ghost identity and the cross terms of a weight used
+several times (:class:`Sum`) add up *signed* terms. When a layer is called
+twice on nearly equal inputs ``x, x'`` of magnitude ``M`` with nearly opposite
+output gradients ``c, -(1 - d) c``, the terms are ``~M^2 |c|^2`` but
+``||g||^2 ~ d^2 M^2 |c|^2``: evaluated in float32 the sum is rounding noise for
+``d < 3e-4``, possibly negative, while ``||g||`` is large. An understated norm
+gives a large factor (``1 / (r + ||g||)``, ``min(1, c / ||g||)``) and one example
+then moves the sum by hundreds of times the sensitivity
+(``tests/test_layerwise_adversarial.py``, inputs of magnitude 1e6, DP-NSGD
+with ``r = 1``: up to ~600x for a shared Dense layer, ~300x for a tied
+embedding, ~2700x for a shared convolution on the float32 code this replaced,
+which clamped negative estimates to 0). So:
+
+1. **Signed sums in float64, with a rigorous error bound.** Every
+   representation's :meth:`Representation.estimate` returns an estimate
+   ``v_u`` of ``||g_u||^2``, computed in float64 from the float32 tensors, and
+   ``e_u >= |v_u - ||g_u||^2|`` from the standard bounds for float64 dot
+   products and sums (Higham, *Accuracy and Stability of Numerical
+   Algorithms*, 2002, ch. 3): for the ghost norm
+   ``e = gamma(p + q + T^2) A^2`` with ``A = sum_t ||a_t|| ||b_t||`` (the sum of
+   the norms of the rank-one terms; ``|<a_t, a_s><b_t, b_s>|`` summed over
+   ``t, s`` is at most ``A^2``), likewise for the cross terms and the segment
+   sums of :class:`Scattered`; ``gamma(n) = 2 (n + 2) 2^-53`` (twice the
+   textbook ``n u / (1 - n u)``). ``v_u + e_u`` is an upper bound of the exact
+   squared norm for every finite input: float32 values of magnitude up to
+   ``3.4e38`` squared and summed stay finite in float64. A materialised
+   float32 per-unit gradient (biases, norm layers, :class:`Outer` and
+   convolutions where ``T p q`` is the cheaper path) has no signed sum left:
+   it is squared and summed in float64 (error ``gamma(n) v_u``).
+2. **No silent clamping; fall back to the materialised norm.** A unit whose
+   bound is loose (``e_u > 1e-6 (v_u + e_u)``), negative, or whose gradient is
+   ill-conditioned (``A_u > CONDITION_LIMIT ||g_u||``: its terms cancel) has its
+   gradient materialised in float64, one unit at a time
+   (:meth:`Representation.unit_gradient64`, error ``<= gamma(T) A_u``), and its
+   bound recomputed from it. Only such units pay for this (a ``tf.cond`` skips
+   it when there are none).
+3. **The sum uses what the norm measured.** Units recomputed in step 2 are
+   taken out of the float32 book-keeping sum (factor 0, rows zeroed) and added
+   from their float64 gradients instead: a float32 sum of their cancelling
+   terms would carry rounding errors of order ``2^-24 A_u``, which can exceed
+   the sensitivity. Every other unit has ``A_u <= CONDITION_LIMIT ||g_u||``,
+   so its float32 terms' rounding is at most ``~1e3 * 2^-24 = 6e-5`` of its
+   contribution per rounding step: the order of the float32 rounding that
+   per-example gradients and their sum have in every engine. Materialised
+   float32 per-unit gradients that are kept (:class:`Materialized`, the
+   materialised :class:`Outer` with static ``T``, convolutions whose
+   per-example gradient is smaller than their input) are summed as stored,
+   so their norm is exactly the norm of what enters the sum. Where they are
+   not kept (larger convolution kernels, dynamic ``T``), the float32 norm
+   and the float32 book-keeping sum are two float32 evaluations of the same
+   products and differ by rounding of the same ``2^-24 A_u`` order.
+4. The engine sums the bounds over variables in float64, takes the square
+   root and rounds **up** to float32 (:func:`upper_norms`).
+
+Cost: float64 Gram matrices (ghost norms) take about 4x the time of float32
+ones on CPU; the materialised path adds a float64 sum of squares of the
+``[U, q, p]`` gradients; ill-conditioned units (none in ordinary training:
+``A_u / ||g_u||`` was at most 40 on ResNet20-GN and 9 on a small transformer
+at initialisation) add one float64 per-unit gradient each, twice.
+
+Edge cases (for every representation; ``A_u`` as above):
+
+=======================================  ===============================================
+per-unit input                           norm used for the factor; contribution
+=======================================  ===============================================
+``g_u = 0`` with all terms 0             exactly 0; factor ``1/r`` resp. 1, adds 0
+terms cancel exactly (``g_u = 0``,       float64 materialised: ``<= 2 gamma(T) A_u``
+``A_u > 0``)                             (~1e-15 ``A_u``); adds its float64 ``g_u = 0``
+nearly cancelling, any magnitude         float64 materialised, ``>= ||g_u||``; adds
+                                         ``h_u g_u`` from the float64 ``g_u``
+finite, ``||g_u|| >= 3.4e38``            ``inf`` (float64 has the range, float32 not):
+                                         factor 0, contributes exactly 0
+NaN or inf in the unit's tensors         NaN/inf: factor 0, rows zeroed, exactly 0
+negative bound (cannot happen)           recomputed as above; if still negative, NaN:
+                                         factor 0, exactly 0 (never clamped to 0)
+=======================================  ===============================================
+
+A zero factor always means an exact zero contribution: the unit's rows are
+replaced by zeros with ``tf.where`` before any product or reduction over
+units (:func:`zero_dropped_units`), so ``0 * nan`` never reaches the sum.
 
 References:
   Goodfellow (2015), "Efficient Per-Example Gradient Computations".
@@ -39,14 +120,29 @@ References:
   Neural Networks with Differential Privacy" (mixed ghost clipping: the
   ``T^2`` vs ``p q`` rule); Bu, Wang, Zha, Karypis (2022), "Differentially
   Private Optimization on Large Model at Small Cost" (book-keeping).
+  Higham (2002), "Accuracy and Stability of Numerical Algorithms", 2nd ed.,
+  Section 3.1 (error bounds of inner products and sums).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import tensorflow as tf
+
+#: Unit roundoff of float64 (round to nearest).
+EPS64 = 2.0 ** -53
+
+#: A unit whose gradient terms' norms add up to more than this many times its
+#: norm (``A_u > CONDITION_LIMIT ||g_u||``) is "ill-conditioned": its norm and
+#: its contribution to the sum are recomputed from its float64 materialised
+#: gradient. Benign units have ``A_u / ||g_u||`` around ``sqrt(T)``.
+CONDITION_LIMIT = 1e3
+
+#: A bound ``v + e`` with ``e > LOOSENESS_LIMIT (v + e)`` is recomputed from the
+#: materialised gradient (so a norm is never overstated by more than ~5e-7).
+LOOSENESS_LIMIT = 1e-6
 
 
 # --- helpers -----------------------------------------------------------------
@@ -96,19 +192,211 @@ def use_ghost(num_positions, p: int, q: int):
   return t * (p + q) < p * q
 
 
+# --- error bounds and the certified norm ---------------------------------------
+
+def gamma(n) -> tf.Tensor:
+  """``2 (n + 2) EPS64``: a safe relative error bound for ``n``-term float64 dot products/sums.
+
+  ``n`` may be a Python number or a tensor; returns a float64 scalar tensor.
+  """
+  return 2.0 * (tf.cast(n, tf.float64) + 2.0) * EPS64
+
+
+def row_norms(t: tf.Tensor) -> tf.Tensor:
+  """L2 norms over the last axis (in ``t``'s dtype)."""
+  return tf.sqrt(tf.reduce_sum(tf.square(t), axis=-1))
+
+
+class Estimate(NamedTuple):
+  """A float64 estimate of ``||g_u||^2`` and a rigorous bound on its error.
+
+  Attributes:
+    value: ``[U]`` estimate ``v_u``.
+    error: ``[U]`` ``e_u >= |v_u - ||g_u||^2|`` (for finite inputs).
+    scale: ``[U]`` ``A_u``, the sum of the norms of the terms of ``g_u``
+      (rank-one products, gathered rows), ``>= ||g_u||``; or None where no
+      cancellation between terms is possible: then ``value`` is a sum of
+      squares and ``error <= gamma(n) value`` (never loose, never negative),
+      so there is nothing to recompute.
+  """
+
+  value: tf.Tensor
+  error: tf.Tensor
+  scale: tf.Tensor | None
+
+
+def materialized_bound(g: tf.Tensor, error: tf.Tensor) -> tf.Tensor:
+  """Upper bound of ``||g_exact||^2`` from a float64 ``g`` with ``||g - g_exact|| <= error``.
+
+  ``2 * error`` also covers any other float64 evaluation of the same gradient
+  (the weighted sum recomputes it).
+  """
+  g = tf.cast(g, tf.float64)
+  norm = tf.sqrt(tf.reduce_sum(tf.square(g))) * (1.0 + gamma(tf.size(g))) + 2.0 * error
+  return tf.square(norm) * (1.0 + 4.0 * EPS64)
+
+
+def _bound_and_suspects(estimate: Estimate):
+  """``v + e``, and the units to recompute: loose, negative or ill-conditioned, but finite."""
+  value, error, scale = estimate
+  bound = value + error
+  suspect = tf.logical_or(error > LOOSENESS_LIMIT * bound, bound < 0.0)
+  if scale is not None:
+    suspect = tf.logical_or(suspect,
+                            scale > CONDITION_LIMIT * tf.sqrt(tf.maximum(bound, 0.0)))
+  return bound, tf.logical_and(suspect, tf.math.is_finite(bound))
+
+
+def certify(estimate: Estimate, unit_gradient64) -> tuple[tf.Tensor, tf.Tensor]:
+  """Upper bounds of the squared norms, and which units were recomputed.
+
+  ``v + e`` for every unit, except units whose bound is loose or negative, or
+  that are ill-conditioned (see the module docstring): for those the bound is
+  recomputed from ``unit_gradient64(u)`` (float64, one unit at a time, only
+  when there is such a unit). Non-finite estimates are left as they are (the
+  transform drops the unit).
+
+  Returns:
+    ``(bounds, recomputed)``: ``[U]`` float64, ``[U]`` bool.
+  """
+  bound, suspect = _bound_and_suspects(estimate)
+  units = tf.shape(bound)[0]
+
+  def recompute():
+    def body(u, bounds):
+      def materialized():
+        g, err = unit_gradient64(u)
+        return tf.tensor_scatter_nd_update(bounds, [[u]], [materialized_bound(g, err)])
+
+      return u + 1, tf.cond(suspect[u], materialized, lambda: bounds)
+
+    return tf.while_loop(lambda u, _: u < units, body, (tf.constant(0), bound))[1]
+
+  bound = tf.cond(tf.reduce_any(suspect), recompute, lambda: tf.identity(bound))
+  # Unreachable for a correct bound; drop the unit (NaN norm -> factor 0) rather than clamp.
+  bound = tf.where(bound < 0.0, tf.fill(tf.shape(bound), tf.constant(math.nan, tf.float64)),
+                   bound)
+  return bound, suspect
+
+
+def upper_norms(squared_bounds: Sequence[tf.Tensor]) -> tf.Tensor:
+  """``[U]`` float32 norms ``>=`` the square root of the summed float64 bounds.
+
+  The float64 sum and square root are inflated by their own rounding bound,
+  and the cast to float32 is rounded up (``nextafter``). NaN stays NaN, a
+  norm beyond float32's range becomes ``inf``; either way the transform gives
+  the unit factor 0.
+
+  >>> n = upper_norms([tf.constant([1.0, 2.0], tf.float64), tf.constant([3.0, 7.0], tf.float64)])
+  >>> bool(tf.reduce_all(n >= [2.0, 3.0])), [round(float(v), 5) for v in n]
+  (True, [2.0, 3.0])
+  """
+  squared = tf.add_n([tf.cast(s, tf.float64) for s in squared_bounds])
+  squared = squared * (1.0 + gamma(len(squared_bounds)))
+  norms64 = tf.sqrt(squared) * (1.0 + 2.0 * EPS64)
+  norms = tf.cast(norms64, tf.float32)
+  below = tf.cast(norms, tf.float64) < norms64
+  return tf.where(below, tf.math.nextafter(norms, tf.fill(tf.shape(norms), math.inf)), norms)
+
+
 # --- representations ---------------------------------------------------------
 
-class Materialized:
-  """Per-unit gradients stored as a ``[U, *var_shape]`` tensor."""
+class Representation:
+  """Base class: the per-unit gradients of one variable.
+
+  Subclasses implement:
+
+  * :meth:`estimate`: the float64 :class:`Estimate` (value, rigorous error,
+    scale);
+  * :meth:`unit_gradient64`: unit ``u``'s gradient in float64, in the
+    variable's layout, with a bound on its error (the fallback);
+  * :meth:`gather_units`: the same representation restricted to some units;
+  * :meth:`raw_weighted_sum`: ``sum_u factors[u] g_u`` in float32 (units with
+    factor 0 contribute exactly 0);
+  * :meth:`per_unit`: ``[U, *var_shape]`` float32.
+
+  :meth:`squared_norms` and :meth:`weighted_sum` (used by the engine) combine
+  them as described in the module docstring.
+  """
+
+  _recomputed = None  # (mask [U], indices [k], gather_units(indices)), set by squared_norms
+
+  def estimate(self) -> Estimate:
+    raise NotImplementedError
+
+  def unit_gradient64(self, u) -> tuple[tf.Tensor, tf.Tensor]:
+    raise NotImplementedError
+
+  def gather_units(self, indices) -> "Representation":
+    raise NotImplementedError
+
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+    raise NotImplementedError
+
+  def per_unit(self) -> tf.Tensor:
+    raise NotImplementedError
+
+  def squared_norms(self) -> tf.Tensor:
+    """``[U]`` float64 upper bounds of ``||g_u||^2`` (see :func:`certify`).
+
+    Also keeps the tensors of the recomputed units (gathered now, so that the
+    weighted sum does not hold on to the whole batch's tensors).
+    """
+    estimate = self.estimate()
+    if estimate.scale is None:  # a sum of squares: no cancellation, nothing to recompute
+      return estimate.value + estimate.error
+    bounds, recomputed = certify(estimate, self.unit_gradient64)
+    indices = tf.cast(tf.where(recomputed)[:, 0], tf.int32)
+    self._recomputed = (recomputed, indices, self.gather_units(indices))
+    return bounds
+
+  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+    """``sum_u factors[u] g_u``; units recomputed by :meth:`squared_norms` added in float64."""
+    factors = tf.cast(factors, tf.float32)
+    if self._recomputed is None:
+      return self.raw_weighted_sum(factors)
+    recomputed, indices, subset = self._recomputed
+    fast = self.raw_weighted_sum(tf.where(recomputed, tf.zeros_like(factors), factors))
+    h = tf.gather(factors, indices)
+
+    def add_exact():
+      def body(j, acc):
+        def add():
+          g, _ = subset.unit_gradient64(j)
+          return acc + tf.cast(h[j], tf.float64) * tf.reshape(g, tf.shape(acc))
+
+        return j + 1, tf.cond(h[j] > 0, add, lambda: acc)
+
+      acc = tf.zeros(tf.shape(fast), tf.float64)
+      acc = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), acc))[1]
+      return fast + tf.cast(acc, fast.dtype)
+
+    return tf.cond(tf.size(indices) > 0, add_exact, lambda: tf.identity(fast))
+
+
+class Materialized(Representation):
+  """Per-unit gradients stored as a ``[U, *var_shape]`` tensor.
+
+  The norm is the float64 sum of squares of exactly the float32 values that
+  enter the weighted sum (no cancellation, nothing to fall back to).
+  """
 
   def __init__(self, grads: tf.Tensor):
     self.grads = tf.cast(grads, tf.float32)
 
-  def squared_norms(self) -> tf.Tensor:
-    g = self.grads
-    return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
+  def estimate(self) -> Estimate:
+    g = tf.cast(self.grads, tf.float64)
+    g = tf.reshape(g, [tf.shape(g)[0], -1])
+    value = tf.reduce_sum(tf.square(g), axis=1)
+    return Estimate(value, gamma(tf.shape(g)[1]) * value, None)
 
-  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+  def unit_gradient64(self, u):
+    return tf.cast(self.grads[u], tf.float64), tf.zeros([], tf.float64)
+
+  def gather_units(self, indices) -> "Materialized":
+    return Materialized(tf.gather(self.grads, indices))
+
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
     g = zero_dropped_units(self.grads, factors > 0)
     return tf.tensordot(factors, g, axes=[[0], [0]])
 
@@ -116,21 +404,48 @@ class Materialized:
     return self.grads
 
   def to_units(self, num_units: int) -> "Materialized":
-    g = self.grads
+    g = tf.cast(self.grads, tf.float64)  # examples of a unit may cancel: add in float64
     g = tf.reshape(g, tf.concat([[num_units, -1], tf.shape(g)[1:]], axis=0))
-    return Materialized(tf.reduce_sum(g, axis=1))
+    return Materialized(tf.cast(tf.reduce_sum(g, axis=1), tf.float32))
 
   def merge(self, other: "Materialized") -> "Materialized":
     return Materialized(self.grads + other.grads)
 
 
-class Outer:
+def outer_scale(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+  """``A_u = sum_t ||a[u, t]|| ||b[u, t]||`` in float64 (``>= ||sum_t a_t b_t^T||``)."""
+  return tf.reduce_sum(row_norms(tf.cast(a, tf.float64)) * row_norms(tf.cast(b, tf.float64)),
+                       axis=-1)
+
+
+def ghost_estimate(a: tf.Tensor, b: tf.Tensor, scale: tf.Tensor):
+  """Ghost norm ``sum_{t,s} <a_t, a_s> <b_t, b_s>`` in float64, with its error bound.
+
+  Returns:
+    ``(value, error)``, ``[U]`` float64 each; ``error = gamma(p + q + T^2) A^2``.
+  """
+  a = tf.cast(a, tf.float64)
+  b = tf.cast(b, tf.float64)
+  aa = tf.matmul(a, a, transpose_b=True)
+  bb = tf.matmul(b, b, transpose_b=True)
+  value = tf.reduce_sum(aa * bb, axis=[1, 2])
+  t = tf.cast(tf.shape(a)[1], tf.float64)
+  error = gamma(tf.cast(a.shape[-1] + b.shape[-1], tf.float64) + t * t) * tf.square(scale)
+  return value, error
+
+
+class Outer(Representation):
   """``g_u = reshape_transpose(sum_t a[u, t]^T b[u, t])``, ``a: [U, T, p]``, ``b: [U, T, q]``.
 
   The ``[p, q]`` matrix maps to the variable by reshaping to
   ``in_dims + out_dims`` and transposing by ``perm`` (Dense: ``[d_in, d_out]``,
   identity; conv: ``[kh, kw, c_in, c_out]`` from flattened patches; EinsumDense:
   the kernel's letter order).
+
+  Norms: ``T = 1``: ``||a||^2 ||b||^2`` (no cancellation); ghost: float64 Gram
+  matrices with error ``gamma(p + q + T^2) A^2``; materialised: the float32
+  ``b^T a`` (kept for the weighted sum when static shapes allow, so the norm is
+  that of what is summed), squared and summed in float64.
 
   Args:
     a: ``[U, T, p]`` layer inputs (or input patches), ``b``: ``[U, T, q]``
@@ -156,7 +471,7 @@ class Outer:
     rank = len(self.in_dims) + len(self.out_dims)
     self.perm = tuple(perm) if perm is not None else tuple(range(rank))
     self.method = method
-    self._materialized = None  # [U, q, p], cached by squared_norms
+    self._materialized = None  # [U, q, p], cached by estimate
 
   def _ghost(self) -> bool | tf.Tensor:
     if self.method != "auto":
@@ -167,32 +482,52 @@ class Outer:
     # b^T a ([q, T] x [T, p]) is markedly faster than a^T b on CPU batched GEMM.
     return tf.matmul(self.b, self.a, transpose_a=True)
 
-  def squared_norms(self) -> tf.Tensor:
+  def estimate(self) -> Estimate:
     positions = self.a.shape[1]
-    if positions == 1:  # ||a b^T||^2 = ||a||^2 ||b||^2
-      return (tf.reduce_sum(tf.square(self.a), axis=[1, 2])
-              * tf.reduce_sum(tf.square(self.b), axis=[1, 2]))
+    if positions == 1:  # ||a b^T||^2 = ||a||^2 ||b||^2: no cancellation
+      a = tf.cast(self.a, tf.float64)
+      b = tf.cast(self.b, tf.float64)
+      value = (tf.reduce_sum(tf.square(a), axis=[1, 2])
+               * tf.reduce_sum(tf.square(b), axis=[1, 2]))
+      return Estimate(value, gamma(self.p + self.q + 1) * value, None)
 
     def ghost():
-      aa = tf.matmul(self.a, self.a, transpose_b=True)
-      bb = tf.matmul(self.b, self.b, transpose_b=True)
-      return tf.reduce_sum(aa * bb, axis=[1, 2])
+      a, b = tf.cast(self.a, tf.float64), tf.cast(self.b, tf.float64)
+      scale = outer_scale(a, b)
+      return ghost_estimate(a, b, scale) + (scale,)
 
     def materialize():
       g = self._per_unit_qp()
-      return g, tf.reduce_sum(tf.square(g), axis=[1, 2])
+      value = tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=[1, 2])
+      # The scale only decides which units are recomputed in float64: float32 suffices
+      # (an overflow to inf marks the unit for recomputation, which is safe).
+      scale = tf.cast(tf.reduce_sum(row_norms(self.a) * row_norms(self.b), axis=1), tf.float64)
+      return g, value, gamma(self.p * self.q) * value, scale
 
     choice = self._ghost()
     if isinstance(choice, bool):
       if choice:
-        return ghost()
-      per_unit, sq = materialize()
-      # Keep per-unit gradients for the weighted sum only where they are smaller
-      # than the factors a, b it would otherwise need.
-      if isinstance(positions, int) and self.p * self.q <= positions * (self.p + self.q):
-        self._materialized = per_unit
-      return sq
-    return tf.cond(choice, ghost, lambda: materialize()[1])
+        value, error, scale = ghost()
+      else:
+        per_unit, value, error, scale = materialize()
+        # Keep per-unit gradients for the weighted sum only where they are smaller
+        # than the factors a, b it would otherwise need.
+        if isinstance(positions, int) and self.p * self.q <= positions * (self.p + self.q):
+          self._materialized = per_unit
+    else:
+      value, error, scale = tf.cond(choice, ghost, lambda: materialize()[1:])
+    return Estimate(value, error, scale)
+
+  def unit_gradient64(self, u):
+    a = tf.cast(tf.gather(self.a, u), tf.float64)  # [T, p]
+    b = tf.cast(tf.gather(self.b, u), tf.float64)
+    qp = tf.matmul(b, a, transpose_a=True)
+    scale = tf.reduce_sum(row_norms(a) * row_norms(b))
+    return self._to_variable_layout(qp, []), gamma(tf.shape(a)[0]) * scale
+
+  def gather_units(self, indices) -> "Outer":
+    return Outer(tf.gather(self.a, indices), tf.gather(self.b, indices), self.in_dims,
+                 self.out_dims, self.perm, self.method)
 
   def _to_variable_layout(self, qp: tf.Tensor, leading: list) -> tf.Tensor:
     """``[..., q, p]`` -> ``[..., *var_shape]``."""
@@ -203,7 +538,7 @@ class Outer:
       full = tf.transpose(full, list(range(n)) + [n + i for i in self.perm])
     return full
 
-  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
     keep = factors > 0
     if self._materialized is not None:
       g = zero_dropped_units(self._materialized, keep)
@@ -234,8 +569,11 @@ class Outer:
                  self.in_dims, self.out_dims, self.perm, self.method)
 
 
-class Scattered:
+class Scattered(Representation):
   """``g_u[v] = sum_{t: ids[u, t] = v} b[u, t]`` for a ``[num_rows, d]`` table.
+
+  Norms: rows of equal id are summed in float64 before squaring; error
+  ``gamma(N (d + 3)) A^2`` with ``A = sum_t ||b_t||``.
 
   Args:
     ids: ``[U, N]`` integer row indices (token ids, positions).
@@ -251,12 +589,27 @@ class Scattered:
     self.num_rows = int(num_rows)
     self.distinct = distinct
 
-  def squared_norms(self) -> tf.Tensor:
-    if self.distinct:
-      return tf.reduce_sum(tf.square(self.b), axis=[1, 2])
-    return scattered_squared_norms(self.ids, self.b)
+  def estimate(self) -> Estimate:
+    b = tf.cast(self.b, tf.float64)
+    n = tf.cast(tf.shape(b)[1], tf.float64)
+    d = float(self.b.shape[-1])
+    if self.distinct:  # no two rows of a unit add up: no cancellation
+      value = tf.reduce_sum(tf.square(b), axis=[1, 2])
+      return Estimate(value, gamma(n * d) * value, None)
+    value = scattered_squared_norms(self.ids, b)
+    scale = tf.reduce_sum(row_norms(b), axis=1)
+    return Estimate(value, gamma(n * (d + 3.0)) * tf.square(scale), scale)
 
-  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+  def unit_gradient64(self, u):
+    b = tf.cast(tf.gather(self.b, u), tf.float64)  # [N, d]
+    g = tf.math.unsorted_segment_sum(b, tf.gather(self.ids, u), self.num_rows)
+    return g, gamma(tf.shape(b)[0]) * tf.reduce_sum(row_norms(b))
+
+  def gather_units(self, indices) -> "Scattered":
+    return Scattered(tf.gather(self.ids, indices), tf.gather(self.b, indices), self.num_rows,
+                     self.distinct)
+
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
     b = zero_dropped_units(self.b, factors > 0) * tf.reshape(factors, [-1, 1, 1])
     d = self.b.shape[-1]
     return tf.math.unsorted_segment_sum(tf.reshape(b, [-1, d]), tf.reshape(self.ids, [-1]),
@@ -287,8 +640,9 @@ def scattered_squared_norms(ids: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
   """``||sum_t onehot(ids[u, t]) b[u, t]^T||^2`` per unit, in ``O(U N (log N + d))``.
 
   Rows of one unit are sorted by id; rows with equal ids are summed
-  (segment sum) and the squared norms of the sums are added up. Static shapes
-  throughout (no ``tf.unique``).
+  (segment sum) and the squared norms of the sums are added up, in ``b``'s
+  dtype (float64 in :class:`Scattered`). Static shapes throughout (no
+  ``tf.unique``).
 
   >>> ids = tf.constant([[3, 1, 3]]); b = tf.constant([[[1., 0.], [0., 2.], [1., 1.]]])
   >>> scattered_squared_norms(ids, b).numpy().tolist()  # row 3: [2, 1], row 1: [0, 2]
@@ -308,59 +662,141 @@ def scattered_squared_norms(ids: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
   return tf.reduce_sum(tf.reshape(tf.square(sums), [units, -1]), axis=1)
 
 
-def _cross_scattered_outer_t(s: Scattered, o: Outer) -> tf.Tensor:
-  """``<g_u^S, g_u^O>`` when ``g^O`` is ``[rows, d]`` = transpose of ``a^T b`` (tied reverse embedding).
+# --- cross terms of a Sum ---------------------------------------------------------
+
+def _cross_scattered_outer_t(s: Scattered, o: Outer):
+  """``<g_u^S, g_u^O>`` for ``g^O = (a^T b)^T`` of shape ``[rows, d]`` (tied reverse embedding).
 
   ``g^O_u[v] = sum_s o.b[u, s, v] o.a[u, s]``; so
   ``<g^S_u, g^O_u> = sum_{t,s} o.b[u, s, ids[u, t]] <s.b[u, t], o.a[u, s]>``.
+  Float64; each term is at most ``||o.b_s|| ||o.a_s|| ||s.b_t||`` in magnitude,
+  so the error is ``gamma(d + S T) A_O A_S``.
+
+  Returns:
+    ``(value, error)``, ``[U]`` float64.
   """
-  picked = tf.gather(o.b, s.ids, axis=2, batch_dims=1)  # [U, S, T]
-  dots = tf.matmul(o.a, s.b, transpose_b=True)  # [U, S, T]
-  return tf.reduce_sum(picked * dots, axis=[1, 2])
+  ob, oa, sb = (tf.cast(t, tf.float64) for t in (o.b, o.a, s.b))
+  picked = tf.gather(ob, s.ids, axis=2, batch_dims=1)  # [U, S, T]
+  dots = tf.matmul(oa, sb, transpose_b=True)  # [U, S, T]
+  value = tf.reduce_sum(picked * dots, axis=[1, 2])
+  terms = tf.cast(tf.shape(oa)[1] * tf.shape(sb)[1], tf.float64)
+  scale_o = tf.reduce_sum(row_norms(oa) * row_norms(ob), axis=1)
+  scale_s = tf.reduce_sum(row_norms(sb), axis=1)
+  return value, gamma(terms + float(sb.shape[-1])) * scale_o * scale_s
 
 
-def _cross(r1, r2) -> tf.Tensor:
-  """``<g_u^1, g_u^2>`` per unit for two representations of the same variable."""
+def _cross_outer_outer(r1: Outer, r2: Outer):
+  """``<g_u^1, g_u^2> = sum_{t,s} <a1_t, a2_s> <b1_t, b2_s>`` in float64, with its error."""
+  a1, a2, b1, b2 = (tf.cast(t, tf.float64) for t in (r1.a, r2.a, r1.b, r2.b))
+  aa = tf.matmul(a1, a2, transpose_b=True)
+  bb = tf.matmul(b1, b2, transpose_b=True)
+  value = tf.reduce_sum(aa * bb, axis=[1, 2])
+  terms = tf.cast(tf.shape(a1)[1] * tf.shape(a2)[1], tf.float64)
+  return value, gamma(terms + float(r1.p + r1.q)) * outer_scale(r1.a, r1.b) * outer_scale(
+      r2.a, r2.b)
+
+
+def _closed_form_cross(r1, r2):
+  """A function computing ``(value, error)`` of ``<g^1, g^2>`` in closed form, or None."""
   for s, o in ((r1, r2), (r2, r1)):
     if (isinstance(s, Scattered) and isinstance(o, Outer) and o.perm == (1, 0)
         and len(o.in_dims) == 1 and len(o.out_dims) == 1 and o.out_dims[0] == s.num_rows):
-      return _cross_scattered_outer_t(s, o)
+      return lambda s=s, o=o: _cross_scattered_outer_t(s, o)
   if isinstance(r1, Outer) and r1.mergeable(r2):
-    aa = tf.matmul(r1.a, r2.a, transpose_b=True)
-    bb = tf.matmul(r1.b, r2.b, transpose_b=True)
-    return tf.reduce_sum(aa * bb, axis=[1, 2])
-  g1, g2 = r1.per_unit(), r2.per_unit()
-  return tf.reduce_sum(tf.reshape(g1 * g2, [tf.shape(g1)[0], -1]), axis=1)
+    return lambda: _cross_outer_outer(r1, r2)
+  return None
 
 
-class Sum:
+class Sum(Representation):
   """Per-unit gradient that is the sum of several representations (tied weights).
 
-  ``||sum_k g^k||^2 = sum_k ||g^k||^2 + 2 sum_{k<l} <g^k, g^l>``; the cross
-  terms use a closed form where one exists (embedding table used both as a
-  lookup and as the transposed output projection), else the materialised
-  per-unit gradients.
+  ``||sum_k g^k||^2 = sum_k ||g^k||^2 + 2 sum_{k<l} <g^k, g^l>`` when every
+  cross term has a closed form (embedding table used both as a lookup and as
+  the transposed output projection; two :class:`Outer` of the same layout),
+  all in float64 with the parts' error bounds added up. Otherwise the parts'
+  float32 per-unit gradients are materialised and added in float64 before
+  squaring (no cancellation of squares). Units whose parts cancel are
+  recomputed from float64 gradients like any ill-conditioned unit.
   """
 
   def __init__(self, parts):
     self.parts = list(parts)
 
-  def squared_norms(self) -> tf.Tensor:
-    total = tf.add_n([p.squared_norms() for p in self.parts])
-    for i, p in enumerate(self.parts):
-      for r in self.parts[i + 1:]:
-        total += 2.0 * _cross(p, r)
-    # Cancellation may leave a tiny negative value (NaN is kept: the unit is dropped).
-    return tf.where(total < 0.0, tf.zeros_like(total), total)
+  def estimate(self) -> Estimate:
+    crosses = [_closed_form_cross(p, r) for i, p in enumerate(self.parts)
+               for r in self.parts[i + 1:]]
+    estimates = [p.estimate() for p in self.parts]
+    scale = tf.add_n([e.scale if e.scale is not None
+                      else tf.sqrt(tf.maximum(e.value + e.error, 0.0)) for e in estimates])
+    if all(c is not None for c in crosses):
+      cross_terms = [c() for c in crosses]
+      terms = [e.value for e in estimates] + [2.0 * v for v, _ in cross_terms]
+      value = tf.add_n(terms)
+      error = tf.add_n([e.error for e in estimates] + [2.0 * e for _, e in cross_terms])
+      # Rounding of the sum itself: at most gamma(k) times the sum of the terms' magnitudes.
+      error = error + gamma(len(terms)) * tf.add_n([tf.abs(t) for t in terms])
+      return Estimate(value, error, scale)
+    # Generic: materialise the float32 per-unit gradients, add them in float64.
+    grads = [tf.cast(p.per_unit(), tf.float64) for p in self.parts]
+    units = tf.shape(grads[0])[0]
+    flat = [tf.reshape(g, [units, -1]) for g in grads]
+    total = tf.add_n(flat)
+    value = tf.reduce_sum(tf.square(total), axis=1)
+    spread = gamma(len(flat)) * tf.add_n([row_norms(g) for g in flat])  # >= ||total - exact||
+    error = gamma(tf.shape(total)[1]) * value + spread * (2.0 * tf.sqrt(value) + spread)
+    return Estimate(value, error, scale)
 
-  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
-    return tf.add_n([p.weighted_sum(factors) for p in self.parts])
+  def unit_gradient64(self, u):
+    pieces = [p.unit_gradient64(u) for p in self.parts]
+    return tf.add_n([g for g, _ in pieces]), tf.add_n([e for _, e in pieces])
+
+  def gather_units(self, indices) -> "Sum":
+    return Sum([p.gather_units(indices) for p in self.parts])
+
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+    return tf.add_n([p.raw_weighted_sum(factors) for p in self.parts])
 
   def per_unit(self) -> tf.Tensor:
     return tf.add_n([p.per_unit() for p in self.parts])
 
-  def to_units(self, num_units: int) -> "Sum":
-    return Sum([p.to_units(num_units) for p in self.parts])
+  def per_unit64(self) -> tf.Tensor:
+    """``[U, *var_shape]`` float64: the parts' float32 per-unit gradients added in float64."""
+    return tf.add_n([tf.cast(p.per_unit(), tf.float64) for p in self.parts])
+
+  def to_units(self, num_units: int) -> Representation:
+    if all(getattr(p, "exact_regrouping", True) for p in self.parts):
+      return Sum([p.to_units(num_units) for p in self.parts])
+    return materialized_units(self, num_units)
+
+
+def materialized_units(rep: Representation, num_units: int) -> Materialized:
+  """Microbatch units of ``rep`` as materialised float32 gradients, accurate to float32 rounding.
+
+  For representations whose examples cannot be regrouped into units in
+  factored form (a convolution's patches are built per example). The
+  per-example gradients are materialised, ill-conditioned or loosely bounded
+  examples (see :func:`certify`) are recomputed in float64
+  (``rep.unit_gradient64``), and each unit's examples are added in float64
+  before the result is rounded once to float32: examples (or a shared
+  layer's uses) that cancel each other do not leave float32 rounding noise
+  of their size in the unit's gradient.
+  """
+  _, suspect = _bound_and_suspects(rep.estimate())
+  grads = rep.per_unit64() if hasattr(rep, "per_unit64") else tf.cast(rep.per_unit(), tf.float64)
+
+  def recompute():
+    def body(u, grads):
+      def exact():
+        g, _ = rep.unit_gradient64(u)
+        return tf.tensor_scatter_nd_update(grads, [[u]], [tf.reshape(g, tf.shape(grads)[1:])])
+
+      return u + 1, tf.cond(suspect[u], exact, lambda: grads)
+
+    return tf.while_loop(lambda u, _: u < tf.shape(grads)[0], body, (tf.constant(0), grads))[1]
+
+  grads = tf.cond(tf.reduce_any(suspect), recompute, lambda: tf.identity(grads))
+  grads = tf.reshape(grads, tf.concat([[num_units, -1], tf.shape(grads)[1:]], axis=0))
+  return Materialized(tf.cast(tf.reduce_sum(grads, axis=1), tf.float32))
 
 
 def _can_merge(m, rep) -> bool:

@@ -16,9 +16,13 @@ input and the gradient of the loss with respect to its output:
    the probes. Because examples do not interact (BatchNorm is rejected by
    :func:`tf_dpnsgd.validate_layers`), row ``i`` of each is example ``i``'s
    own gradient. No weight gradient is computed here.
-3. **norms**: per layer and variable, ``||g_i||^2`` by the ghost-norm identity
-   or by materialising the per-example gradient, whichever is cheaper for its
-   shapes (:mod:`tf_dpnsgd.per_example.factored`); summed over variables.
+3. **norms**: per layer and variable, an upper bound of ``||g_i||^2`` by the
+   ghost-norm identity or by materialising the per-example gradient,
+   whichever is cheaper for its shapes (:mod:`tf_dpnsgd.per_example.factored`):
+   signed sums (ghost norms, cross terms of shared weights) in float64 with a
+   rigorous rounding-error bound, and units whose terms cancel recomputed
+   from their float64 materialised gradient; summed over variables in
+   float64, square-rooted and rounded up to float32.
 4. **weighted sum** (book-keeping): ``sum_i h_i g_i`` per variable from the
    same captured tensors, with ``h = transform.factors(norms, mask)``.
 
@@ -28,18 +32,32 @@ cost of about one plain training step plus the norm computations.
 Units: without ``num_microbatches`` a unit is an example. With ``m``
 microbatches, unit ``u`` is the gradient of the mean loss of ``B/m``
 consecutive examples: the captured tensors are regrouped so that the examples
-of a microbatch become positions of one unit, which is exact for every
-representation.
+of a microbatch become positions of one unit, which is exact for the factored
+representations; convolutions materialise their per-example gradients and
+add them per unit in float64 (:func:`~tf_dpnsgd.per_example.factored.materialized_units`).
 
-Formal guarantees (as for every engine, see :mod:`tf_dpnsgd.transforms`):
+Formal guarantees (as for every engine, see :mod:`tf_dpnsgd.transforms`), for
+every finite input whatever its magnitude:
 
-===========================  =========================================================
-unit                         contribution to ``summed``
-===========================  =========================================================
-finite norm                  ``h_u g_u`` with ``||h_u g_u|| <= transform.sensitivity``
-NaN/inf gradient or norm     exactly 0 (its captured rows are zeroed with ``tf.where``)
-masked out (padding)         exactly 0
-===========================  =========================================================
+==================================  ==================================================
+unit                                contribution to ``summed``
+==================================  ==================================================
+finite norm                         ``h_u g_u`` with ``||h_u g_u|| <= transform.sensitivity``
+``g_u = 0``                         exactly 0 (factor ``1/r`` resp. 1)
+terms of ``g_u`` cancel (a layer    norm and contribution from the float64
+called twice on nearly equal        materialised ``g_u``: never understated
+inputs, tied weights)
+norm beyond float32 (``> 3.4e38``)  exactly 0 (norm ``inf``, factor 0)
+NaN/inf gradient or norm            exactly 0 (its captured rows are zeroed with ``tf.where``)
+masked out (padding)                exactly 0
+==================================  ==================================================
+
+``norms`` are upper bounds of the exact norms of the per-unit gradients the
+weighted sum is computed from (float64 error bounds, no clamping of negative
+estimates, rounded up to float32); the details and the one remaining float32
+effect (rounding of the book-keeping sum, at most ``~6e-5`` of a
+well-conditioned unit's contribution per rounding step) are in
+:mod:`tf_dpnsgd.per_example.factored`, "Formal guarantees".
 
 Limits (each fails loudly): every trainable variable must belong to a layer
 with a rule (else :class:`~tf_dpnsgd.per_example.registry.UnsupportedLayerError`
@@ -376,14 +394,12 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
     parts = []
     for v, r in reps.values():
       with tf.name_scope("norm_" + _var_scope(v)):
-        parts.append(r.squared_norms())
-    squared = tf.add_n(parts)
+        parts.append(r.squared_norms())  # float64 upper bounds, never clamped
   else:  # nothing trainable was used: every gradient is 0
     units = num_microbatches or batch
-    squared = tf.zeros([units], tf.float32)
-  # Rounding can leave a tiny negative ghost norm; keep NaN (dropped by the transform).
-  squared = tf.where(squared < 0.0, tf.zeros_like(squared), squared)
-  norms = tf.sqrt(squared)
+    parts = [tf.zeros([units], tf.float64)]
+  # Summed and square-rooted in float64, rounded up to float32: never below the true norm.
+  norms = factored.upper_norms(parts)
   factors = transform.factors(norms, mask)
   summed = []
   for v in variables:

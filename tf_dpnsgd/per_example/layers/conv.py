@@ -113,7 +113,7 @@ def conv_patches(x, kernel_size, strides, dilation_rate, padding: str):
 CHUNK_BYTES = 16 * 2**20
 
 
-class ConvOuter:
+class ConvOuter(factored.Representation):
   """Per-example kernel gradients of a convolution, kept as (input, output gradient).
 
   ``g_i = sum_t patch[i, t] (x) dz[i, t]``. The norms use the ghost identity or
@@ -124,6 +124,19 @@ class ConvOuter:
   gradients (``p q`` per example) and the input plus output gradient (then the
   sum is one convolution backprop-filter of ``(x, h * dz)``, as in a plain
   step).
+
+  Precision (see :mod:`tf_dpnsgd.per_example.factored`, "Formal guarantees"):
+  the ghost norm's Gram matrices are float64 with the rigorous error bound
+  ``gamma(p + q + T^2) A^2`` (``A = sum_t ||patch_t|| ||dz_t||``); the
+  materialised per-example gradient is the float32 ``dz^T patches`` (the same
+  product a plain step's weight gradient computes), squared and summed in
+  float64. Where it is kept, exactly it enters the weighted sum (its norm is
+  that of what is summed, as in the vectorized engine). Otherwise (ghost
+  norm, or a materialised gradient larger than the input) the sum is a
+  float32 backprop-filter, and examples with ``A > CONDITION_LIMIT ||g||``
+  are recomputed in float64 (:meth:`unit_gradient64`) for both the norm and
+  the weighted sum. A convolution used twice is a :class:`~..factored.Sum`,
+  whose cancelling uses are recomputed the same way.
 
   Args:
     x: ``[B, *spatial, c_in]`` channels-last input (padded for "causal").
@@ -156,18 +169,39 @@ class ConvOuter:
   def kernel_shape(self):
     return list(self.kernel_size) + [self.c_in, self.c_out]
 
+  def _patches(self, x):
+    return conv_patches(x, self.kernel_size, self.strides, self.dilation_rate, self.padding)
+
   def _chunk(self, x, g, materialize):
-    patches = conv_patches(x, self.kernel_size, self.strides, self.dilation_rate, self.padding)
+    """``(value, error, scale, per_example or None)`` of one chunk of examples."""
+    patches = self._patches(x)
     b = tf.reshape(g, [tf.shape(g)[0], -1, self.q])
     if not materialize:
-      aa = tf.matmul(patches, patches, transpose_b=True)
-      bb = tf.matmul(b, b, transpose_b=True)
-      return tf.reduce_sum(aa * bb, axis=[1, 2]), None
+      patches, b = tf.cast(patches, tf.float64), tf.cast(b, tf.float64)
+      scale = factored.outer_scale(patches, b)
+      value, error = factored.ghost_estimate(patches, b, scale)
+      return value, error, scale, None
     per_example = tf.matmul(b, patches, transpose_a=True)  # [n, q, p]
-    return tf.reduce_sum(tf.square(per_example), axis=[1, 2]), per_example
+    value = tf.reduce_sum(tf.square(tf.cast(per_example, tf.float64)), axis=[1, 2])
+    error = factored.gamma(self.p * self.q) * value
+    if self.keep_materialized:
+      # Exactly these float32 gradients enter the weighted sum: their float64 sum of
+      # squares is the norm of what is summed, nothing to recompute (scale None).
+      return value, error, None, per_example
+    # Summed by backprop-filter instead: examples whose terms cancel are recomputed in
+    # float64. The scale only decides which, so float32 suffices (an overflow to inf
+    # marks the example for recomputation, which is safe). ||patch_t||^2 is the window
+    # sum of the pixels' squared norms: a one-channel convolution with a kernel of ones.
+    pixels = tf.reduce_sum(tf.square(x), axis=-1, keepdims=True)
+    ones = tf.ones(list(self.kernel_size) + [1, 1], x.dtype)
+    windows = tf.nn.convolution(pixels, ones, strides=self.strides,
+                                padding=self.padding.upper(), dilations=self.dilation_rate)
+    patch_norms = tf.sqrt(tf.reshape(windows, [tf.shape(x)[0], -1]))
+    scale = tf.cast(tf.reduce_sum(patch_norms * factored.row_norms(b), axis=1), tf.float64)
+    return value, error, scale, per_example
 
   def _run(self, materialize, keep):
-    """Squared norms (and per-example ``[B, q, p]`` gradients if ``keep``), in chunks.
+    """``(value, error, scale, per-example [B, q, p] gradients if keep)``, in chunks.
 
     Chunks are unrolled (static batch) and chained with control dependencies
     so that one chunk's temporaries are freed before the next is built; a
@@ -175,36 +209,56 @@ class ConvOuter:
     ``dz`` exists: otherwise the executor may build every layer's patches
     right after the forward pass and hold them all through the backward pass.
     """
-    bytes_per_example = 4 * (self.positions * self.p
-                             + (self.p * self.q if materialize else 2 * self.positions ** 2))
+    t, p, q = self.positions, self.p, self.q
+    if materialize:  # float32 patches and product, float64 copy of the product
+      bytes_per_example = 4 * t * p + 4 * p * q + 16 * p * q
+    else:  # float32 patches, float64 patches and dz, two Gram matrices and their product
+      bytes_per_example = 4 * t * p + 8 * t * (p + q) + 24 * t * t
     chunk = max(1, CHUNK_BYTES // bytes_per_example)
     batch = self.x.shape[0]
     bounds = [(0, None)] if batch is None or batch <= chunk else [
         (start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
-    sqs, per_examples = [], []
+    results = []
     previous = [self.g]
     for start, stop in bounds:
       with tf.control_dependencies(previous):
         x = self.x if stop is None else self.x[start:stop]
         g = self.g if stop is None else self.g[start:stop]
-        sq, per_example = self._chunk(x, g, materialize)
-      sqs.append(sq)
-      per_examples.append(per_example)
-      previous = [sq]
-    sq = sqs[0] if len(sqs) == 1 else tf.concat(sqs, axis=0)
-    if not keep:
-      return sq, None
-    return sq, per_examples[0] if len(per_examples) == 1 else tf.concat(per_examples, axis=0)
+        results.append(self._chunk(x, g, materialize))
+      previous = [results[-1][0]]
 
-  def squared_norms(self) -> tf.Tensor:
-    sq, self._materialized = self._run(materialize=not self.ghost, keep=self.keep_materialized)
-    return sq
+    def joined(k):
+      parts = [r[k] for r in results]
+      if parts[0] is None:
+        return None
+      return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+    per_example = joined(3) if keep else None
+    return joined(0), joined(1), joined(2), per_example
+
+  def estimate(self) -> factored.Estimate:
+    value, error, scale, self._materialized = self._run(materialize=not self.ghost,
+                                                        keep=self.keep_materialized)
+    return factored.Estimate(value, error, scale)
+
+  def unit_gradient64(self, u):
+    x = tf.cast(tf.gather(self.x, [u]), tf.float64)
+    g = tf.cast(tf.gather(self.g, [u]), tf.float64)
+    patches = self._patches(x)[0]  # [T, p]
+    b = tf.reshape(g, [-1, self.q])
+    qp = tf.matmul(b, patches, transpose_a=True)
+    scale = tf.reduce_sum(factored.row_norms(patches) * factored.row_norms(b))
+    return self._to_kernel(qp, []), factored.gamma(self.positions) * scale
+
+  def gather_units(self, indices) -> "ConvOuter":
+    return ConvOuter(tf.gather(self.x, indices), tf.gather(self.g, indices), self.kernel_size,
+                     self.strides, self.dilation_rate, self.padding)
 
   def _to_kernel(self, qp, leading):
     pq = tf.linalg.matrix_transpose(qp)
     return tf.reshape(pq, leading + self.kernel_shape)
 
-  def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
     keep = factors > 0
     if self._materialized is not None:
       g = factored.zero_dropped_units(self._materialized, keep)
@@ -222,13 +276,14 @@ class ConvOuter:
   def per_unit(self) -> tf.Tensor:
     per_example = self._materialized
     if per_example is None:
-      per_example = self._run(materialize=True, keep=True)[1]
+      per_example = self._run(materialize=True, keep=True)[3]
     return self._to_kernel(per_example, [tf.shape(per_example)[0]])
 
+  #: to_units materialises (see :func:`~..factored.materialized_units`).
+  exact_regrouping = False
+
   def to_units(self, num_units: int) -> factored.Materialized:
-    g = self.per_unit()
-    g = tf.reshape(g, tf.concat([[num_units, -1], tf.shape(g)[1:]], axis=0))
-    return factored.Materialized(tf.reduce_sum(g, axis=1))
+    return factored.materialized_units(self, num_units)
 
 
 def _conv_unsupported(layer):

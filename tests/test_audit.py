@@ -1,0 +1,407 @@
+"""Empirical privacy auditing (tf_dpnsgd.audit): bounds, canaries, and a CI audit harness.
+
+* Bounds against cases worked by hand, the paper's printed numbers, limits
+  and a Monte Carlo check of the confidence.
+* Dirac canaries through the real train step against an exact oracle (no
+  noise: each included canary's table entry is ``lr * c * n_j / B``, with
+  ``n_j`` the number of batches the sampler put it in).
+* The harness of the issue: the white-box audit of a small model (a) without
+  noise, (b) with the planned noise, (c) with a mechanism broken below the
+  accountant (10x less noise than ``noise_multiplier`` says; clipping
+  disabled while the transform still reports ``c``). Fixed coin, sampler and
+  noise seeds: deterministic.
+"""
+
+import dataclasses
+import doctest
+import json
+import math
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from scipy import special, stats
+
+import tf_dpnsgd
+from tf_dpnsgd import audit
+from tf_dpnsgd import sampling, transforms
+from tf_dpnsgd.audit import bounds, canaries, one_run, scoring
+from tf_dpnsgd.plan import PrivacyPlan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- bounds --------------------------------------------------------------------------------
+def test_doctests_of_the_audit_modules():
+  for module in (bounds, one_run, scoring):
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_one_run_reproduces_the_papers_numbers():
+  # Steinke, Nasr, Jagielski (2023): Appendix D prints 0.673 for (m, r, v, delta) =
+  # (1000, 100, 75, 1e-4) at 95%; Section 7 prints 2.675 (truncated) for
+  # (100000, 1510, 1439, 1e-5).
+  assert audit.one_run_epsilon_lower_bound(1000, 100, 75, delta=1e-4) == pytest.approx(
+      0.673, abs=5e-4)
+  eps = audit.one_run_epsilon_lower_bound(100000, 1510, 1439, delta=1e-5)
+  assert 2.675 <= eps < 2.676
+
+
+def test_one_run_p_value_worked_by_hand():
+  # delta = 0: r fair coins all correct at eps = 0 is 2^-r.
+  assert audit.one_run_p_value(10, 10, 10, 0.0) == pytest.approx(2.0 ** -10)
+  # eps = 1, r = 3, v = 2: P[Bin(3, q) >= 2] = 3 q^2 (1 - q) + q^3, q = e/(1+e).
+  q = math.e / (1 + math.e)
+  assert audit.one_run_p_value(5, 3, 2, 1.0) == pytest.approx(3 * q * q * (1 - q) + q ** 3)
+  # delta term, m = r = v = 2, eps = 0 (q = 1/2): f(2) = 1/4; f(1) - f(2) = P[B = 1] = 1/2,
+  # f(0) - f(2) = 3/4, so max_i (f(2 - i) - f(2)) / i = max(1/2, 3/8) = 1/2;
+  # p = 1/4 + 2 m delta / 2 = 0.25 + 2 * 2 * 0.1 * 0.5 = 0.45.
+  assert audit.one_run_p_value(2, 2, 2, 0.0, delta=0.1) == pytest.approx(0.45)
+  assert audit.one_run_p_value(2, 2, 2, 0.0, delta=0.4) == 1.0   # capped
+
+
+def test_one_run_limits():
+  # No correct guesses, no guesses, chance level: nothing to reject.
+  assert audit.one_run_epsilon_lower_bound(1000, 500, 0) == 0.0
+  assert audit.one_run_epsilon_lower_bound(1000, 0, 0) == 0.0
+  assert audit.one_run_epsilon_lower_bound(1000, 500, 250) == 0.0
+  # Perfect guesses with m canaries: q^m = beta, eps = log(q / (1 - q)).
+  for m in (10, 100, 1000):
+    q = 0.05 ** (1 / m)
+    expected = math.log(q / (1 - q))
+    assert audit.one_run_max_epsilon(m) == pytest.approx(expected, abs=1e-5)
+    assert audit.one_run_epsilon_lower_bound(m, m, m) == audit.one_run_max_epsilon(m)
+  assert audit.one_run_max_epsilon(1000) == pytest.approx(5.809, abs=1e-3)
+  # Monotone: more correct guesses, more confidence, less delta.
+  values = [audit.one_run_epsilon_lower_bound(1000, 200, v) for v in (120, 150, 180, 200)]
+  assert values == sorted(values) and values[0] > 0
+  assert (audit.one_run_epsilon_lower_bound(1000, 200, 180, confidence=0.99)
+          < audit.one_run_epsilon_lower_bound(1000, 200, 180, confidence=0.9))
+  assert (audit.one_run_epsilon_lower_bound(1000, 200, 180, delta=1e-3)
+          < audit.one_run_epsilon_lower_bound(1000, 200, 180, delta=0.0))
+  # The returned eps is rejected, a slightly larger one is not.
+  eps = audit.one_run_epsilon_lower_bound(1000, 200, 180, delta=1e-5)
+  assert audit.one_run_p_value(1000, 200, 180, eps, 1e-5) <= 0.05
+  assert audit.one_run_p_value(1000, 200, 180, eps + 1e-4, 1e-5) > 0.05
+
+
+@pytest.mark.parametrize("bad", [dict(num_guesses=10, num_correct=11),
+                                 dict(num_guesses=1001, num_correct=0),
+                                 dict(num_guesses=10, num_correct=5, delta=1.0),
+                                 dict(num_guesses=10, num_correct=5, confidence=1.0),
+                                 dict(num_guesses=-1, num_correct=0)])
+def test_one_run_rejects_invalid_counts(bad):
+  with pytest.raises(ValueError):
+    audit.one_run_epsilon_lower_bound(1000, **bad)
+
+
+def test_one_run_bound_holds_for_randomized_response():
+  # A mechanism that is exactly eps-DP per canary: every guess is right w.p. e^eps/(1+e^eps).
+  # The 95% lower bound may exceed eps in at most ~5% of runs.
+  eps, m, trials = 1.0, 300, 300
+  rng = np.random.default_rng(0)
+  correct = rng.binomial(m, special.expit(eps), size=trials)
+  exceed = sum(audit.one_run_epsilon_lower_bound(m, m, int(v)) > eps for v in correct)
+  assert exceed / trials <= 0.08
+
+
+def test_clopper_pearson_interval_is_scipys_exact_interval():
+  for k, n in ((0, 20), (7, 20), (20, 20), (312, 1000)):
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.9, method="exact")
+    lo, hi = audit.clopper_pearson_interval(k, n, confidence=0.9)
+    assert (lo, hi) == pytest.approx((ci.low, ci.high), abs=1e-12)
+
+
+def test_clopper_pearson_epsilon_worked_by_hand_and_limits():
+  n = 500
+  tpr_lo = 0.025 ** (1 / n)      # one-sided 97.5% bounds of n/n and 0/n
+  fpr_hi = 1 - 0.025 ** (1 / n)
+  assert audit.clopper_pearson_epsilon_lower_bound(n, 0, n, n) == pytest.approx(
+      math.log(tpr_lo / fpr_hi))
+  assert audit.clopper_pearson_epsilon_lower_bound(n, 0, n, n, delta=1e-3) == pytest.approx(
+      math.log((tpr_lo - 1e-3) / fpr_hi))
+  # The symmetric form: every member caught, half the non-members too. log(TPR/FPR) is small,
+  # log((1 - FPR) / (1 - TPR)) is not.
+  _, fpr_half = audit.clopper_pearson_interval(250, n, 0.975, side="upper")
+  assert audit.clopper_pearson_epsilon_lower_bound(n, 250, n, n) == pytest.approx(
+      math.log((1 - fpr_half) / (1 - tpr_lo)))
+  assert audit.clopper_pearson_epsilon_lower_bound(250, 250, n, n) == 0.0   # a coin
+  assert audit.clopper_pearson_epsilon_lower_bound(0, 0, n, n) == 0.0       # never says "in"
+  with pytest.raises(ValueError):
+    audit.clopper_pearson_epsilon_lower_bound(1, 0, 0, 10)
+
+
+# --- guesses ---------------------------------------------------------------------------------
+def test_guesses_rules_and_bonferroni():
+  assert audit.one_run_guesses([0.3, 2.0, -1.0, 0.0], 1, 2).tolist() == [0, 1, -1, -1]
+  assert audit.one_run_guesses([1.0, 1.0, 1.0], 1, 1).tolist() == [1, 0, -1]   # ties: index
+  with pytest.raises(ValueError):
+    audit.one_run_guesses([1.0, 2.0], 2, 1)
+  with pytest.raises(ValueError):
+    audit.one_run_guesses([1.0, float("nan")], 1, 0)
+  # Perfectly separated scores: the best default rule, at confidence 1 - 0.05 / #rules.
+  m = 1000
+  included = audit.draw_inclusion(m, seed=3)
+  scores = np.where(included, 1.0, 0.0) + np.arange(m) * 1e-9
+  rules = one_run.default_guess_rules(m)
+  result = audit.audit_scores(scores, included, delta=1e-5)
+  assert result.num_rules == len(rules) and result.num_correct == result.num_guesses
+  assert result.epsilon_lower_bound == audit.one_run_epsilon_lower_bound(
+      m, result.num_guesses, result.num_correct, delta=1e-5, confidence=1 - 0.05 / len(rules))
+  # A fixed rule is used as given, at the full confidence.
+  fixed = audit.audit_scores(scores, included, k_plus=100, k_minus=100, delta=1e-5)
+  assert (fixed.k_plus, fixed.num_rules, fixed.num_correct) == (100, 1, 200)
+  assert fixed.epsilon_lower_bound == audit.one_run_epsilon_lower_bound(m, 200, 200, 1e-5)
+  # Scores carrying no information give (almost surely) nothing.
+  noise = np.random.default_rng(0).normal(size=m)
+  assert audit.audit_scores(noise, included).epsilon_lower_bound < 0.3
+
+
+def test_coins_and_mislabeled_canaries():
+  a, b = audit.draw_inclusion(1000, seed=7), audit.draw_inclusion(1000, seed=7)
+  assert a.dtype == bool and np.array_equal(a, b) and 400 < a.sum() < 600
+  x = np.arange(50, dtype=np.float32)[:, None]
+  y = np.arange(50) % 5
+  c = audit.mislabeled_canaries(x, y, 20, 5, a[:20], seed=1)
+  source = c.x[:, 0].astype(int)
+  assert len(set(source)) == 20                      # distinct pool examples
+  assert np.all(c.y != y[source]) and c.y.max() < 5  # every label flipped
+  xt, yt = audit.training_set(x[:10], y[:10], c)
+  assert len(yt) == 10 + a[:20].sum()
+
+
+# --- Dirac canaries through the real train step ---------------------------------------------
+def _toy(n=60, d=4, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, d)).astype("float32")
+  return x, (x[:, 0] > 0).astype("int32")
+
+
+def _toy_model(d=4, width=8):
+  inp = keras.Input((d,))
+  h = keras.layers.Dense(width, activation="tanh")(inp)
+  return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("optimizer", ["dpsgd", "dpnsgd"])
+def test_dirac_canary_updates_match_the_sampler_exactly(optimizer):
+  """No noise: an included canary's table entry moves by lr * (its transformed norm) / B
+  at every step whose Poisson batch holds it; an excluded one (and every real row) never
+  touches the table."""
+  x, y = _toy()
+  m, batch, steps, lr, clip, reg, norm = 40, 20, 8, 0.5, 0.5, 0.01, 50.0
+  make = ((lambda s: tf_dpnsgd.DPSGD(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=s))
+          if optimizer == "dpsgd" else
+          (lambda s: tf_dpnsgd.DPNSGD(learning_rate=lr, regularizer=reg, noise_multiplier=s)))
+  report = audit.run_canary_audit(
+      _toy_model, (x, y), num_classes=2, canary_kind="gradient", num_canaries=m,
+      make_optimizer=make, batch_size=batch, steps=steps, noise_multiplier=0.0,
+      gradient_norm=norm, audit_seed=5, sampler_seed=11)
+  included = report.included
+  n = len(y) + included.sum()
+  assert report.steps == steps and report.dataset_size == n
+  sampler = sampling.PoissonSampler(dataset_size=int(n), batch_size=batch, seed=11)
+  rows = len(y) + np.cumsum(included) - 1            # dataset row of each included canary
+  counts = np.zeros(m)
+  for t in range(steps):
+    idx = set(sampler.indices(t).tolist())
+    counts += np.array([inc and rows[j] in idx for j, inc in enumerate(included)])
+  contribution = (clip if optimizer == "dpsgd"
+                  else norm / (reg + norm * (1 + transforms.NORM_SAFETY_MARGIN)))
+  expected = lr * contribution * counts / batch
+  assert np.all(report.scores[~included] == 0.0)
+  assert counts[included].max() > 0
+  np.testing.assert_allclose(report.scores, expected, rtol=2e-5, atol=1e-7)
+
+
+def test_dirac_head_leaves_real_rows_and_gradients_alone():
+  base = _toy_model()
+  model = audit.with_dirac_canaries(base, 5)
+  x, _ = _toy(3)
+  real = canaries.as_dirac_inputs(x)
+  np.testing.assert_allclose(model.predict(real, verbose=0), base.predict(x, verbose=0),
+                             rtol=1e-6)
+  canary = audit.dirac_canaries((4,), 5, 2, np.ones(5, bool), gradient_norm=7.0)
+  import tensorflow as tf
+  with tf.GradientTape() as tape:
+    logits = model(canary.x)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(canary.y[:1],
+                                                                        logits[:1])
+  np.testing.assert_allclose(logits.numpy(), 0.0)       # the canary's forward value is 0
+  grads = dict(zip([v.path for v in model.trainable_variables],
+                   tape.gradient(loss, model.trainable_variables)))
+  table = [g for p, g in grads.items() if canaries.DIRAC_TABLE_NAME in p][0]
+  table = tf.convert_to_tensor(table).numpy().reshape(-1)
+  np.testing.assert_allclose(table, [-7.0, 0, 0, 0, 0], rtol=1e-6)   # norm exactly 7, Dirac
+  for p, g in grads.items():
+    if canaries.DIRAC_TABLE_NAME not in p:
+      assert g is None or np.all(tf.convert_to_tensor(g).numpy() == 0), p
+
+
+# --- the harness: (a) no noise, (b) planned noise, (c) broken mechanisms -------------------
+class TenfoldLessNoiseDPSGD(tf_dpnsgd.DPSGD):
+  """Broken below the accountant: noise_multiplier (and so the ledger and the plan) says
+  sigma, the noise added is sigma / 10."""
+
+  @property
+  def noise_stddev(self):
+    return super().noise_stddev / 10.0
+
+
+class TenfoldLessNoiseDPNSGD(tf_dpnsgd.DPNSGD):
+  @property
+  def noise_stddev(self):
+    return super().noise_stddev / 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClipThatDoesNotClip(transforms.Clip):
+  """Reports sensitivity c (so the noise is sigma * c) but never clips."""
+
+  def factors(self, norms, mask=None):
+    return transforms.Clip(float("inf")).factors(norms, mask)
+
+
+class UnclippedDPSGD(tf_dpnsgd.DPSGD):
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.transform = _ClipThatDoesNotClip(self.l2_norm_clip)
+
+
+HARNESS = dict(n=1000, batch=150, steps=200, sigma=4.0, m=1000, lr=0.5, delta=1e-5)
+_RUNS = {}
+
+
+def harness_run(name):
+  """One white-box audit of the toy model (cached: each configuration trains once)."""
+  if name not in _RUNS:
+    h = HARNESS
+    optimizer, sigma = {
+        "dpsgd_no_noise": (tf_dpnsgd.DPSGD, 0.0),
+        "dpsgd_planned": (tf_dpnsgd.DPSGD, h["sigma"]),
+        "dpnsgd_planned": (tf_dpnsgd.DPNSGD, h["sigma"]),
+        "dpsgd_tenfold_less_noise": (TenfoldLessNoiseDPSGD, h["sigma"]),
+        "dpnsgd_tenfold_less_noise": (TenfoldLessNoiseDPNSGD, h["sigma"]),
+        "dpsgd_unclipped": (UnclippedDPSGD, h["sigma"]),
+    }[name]
+    if issubclass(optimizer, tf_dpnsgd.DPNSGD):
+      make = lambda s: optimizer(learning_rate=h["lr"], regularizer=0.01, noise_multiplier=s,
+                                 seed=1)
+    else:
+      make = lambda s: optimizer(learning_rate=h["lr"], l2_norm_clip=1.0, noise_multiplier=s,
+                                 seed=1)
+    keras.utils.set_random_seed(0)
+    x, y = _toy(h["n"], d=8)
+    _RUNS[name] = audit.run_canary_audit(
+        lambda: _toy_model(d=8, width=16), (x, y), num_classes=2, canary_kind="gradient",
+        num_canaries=h["m"], make_optimizer=make, batch_size=h["batch"], steps=h["steps"],
+        noise_multiplier=sigma, delta=h["delta"], gradient_norm=100.0, audit_seed=0,
+        sampler_seed=0)
+  return _RUNS[name]
+
+
+def _claimed_by_accountant(report):
+  """What the accountant was told: the plan's epsilon for the steps the ledger counted."""
+  h = HARNESS
+  plan = PrivacyPlan(dataset_size=report.dataset_size, batch_size=h["batch"],
+                     sampling="poisson", steps=h["steps"], noise_multiplier=h["sigma"],
+                     delta=h["delta"])
+  return plan.epsilon(report.steps)
+
+
+def test_harness_a_no_noise_gives_a_large_lower_bound():
+  report = harness_run("dpsgd_no_noise")
+  assert math.isinf(report.epsilon_claimed)
+  assert report.epsilon_lower_bound > 3.0
+  assert report.to_dict()["epsilon_claimed"] is None
+
+
+@pytest.mark.parametrize("name", ["dpsgd_planned", "dpnsgd_planned"])
+def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
+  report = harness_run(name)
+  assert report.epsilon_claimed == pytest.approx(_claimed_by_accountant(report))
+  assert 0.0 <= report.epsilon_lower_bound <= report.epsilon_claimed
+  assert not report.contradicts_claim
+
+
+@pytest.mark.parametrize("name", ["dpsgd_tenfold_less_noise", "dpnsgd_tenfold_less_noise",
+                                  "dpsgd_unclipped"])
+def test_harness_c_a_broken_mechanism_is_caught(name):
+  report = harness_run(name)
+  # The package's own report is fooled: the ledger says the plan's noise multiplier.
+  assert report.epsilon_claimed == pytest.approx(_claimed_by_accountant(report))
+  assert report.epsilon_lower_bound > report.epsilon_claimed
+  assert report.contradicts_claim
+
+
+def test_harness_report_and_figure(tmp_path):
+  from tf_dpnsgd import plots as plots_lib
+  from tf_dpnsgd.audit import plots
+  report = harness_run("dpsgd_planned")
+  d = report.to_dict()
+  json.dumps(d)   # JSON-ready
+  for key in ("epsilon_claimed", "epsilon_lower_bound", "delta", "confidence", "num_canaries",
+              "k_plus", "k_minus", "num_guesses", "num_correct", "canary_kind", "scores_in",
+              "scores_out"):
+    assert key in d, key
+  assert d["num_canaries"] == 1000 and d["canary_kind"] == "gradient"
+  assert len(d["scores_in"]) + len(d["scores_out"]) == 1000
+  assert report.timings["score"] < 1.0      # white-box scoring of m = 1000: no forward pass
+  meta = plots.score_histogram(str(tmp_path / "s.png"), report.scores, report.included,
+                               report.epsilon_claimed, report.epsilon_lower_bound)
+  assert plots_lib.read_annotations(str(tmp_path / "s.png")) == meta
+  assert f"{report.epsilon_claimed:.3g}" in meta["title"]
+  assert f"{report.epsilon_lower_bound:.3g}" in meta["title"]
+
+
+# --- black-box canaries and the launcher ----------------------------------------------------
+def test_input_canaries_black_box_run():
+  from tf_dpnsgd.data import digits
+  (x, y), _ = digits.load_digits()
+  m = 100
+
+  def build():
+    inp = keras.Input((8, 8, 1))
+    h = keras.layers.Dense(32, activation="tanh")(keras.layers.Flatten()(inp))
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+  report = audit.run_canary_audit(
+      build, (x[:-m], y[:-m]), num_classes=10, canary_kind="input", num_canaries=m,
+      canary_pool=(x[-m:], y[-m:]), score="margin",
+      make_optimizer=lambda s: tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0,
+                                               noise_multiplier=s, seed=1),
+      batch_size=100, steps=30, noise_multiplier=2.0, audit_seed=0, sampler_seed=0)
+  assert report.score == "margin" and np.all(np.isfinite(report.scores))
+  assert 0.0 <= report.epsilon_lower_bound <= report.epsilon_claimed
+
+
+def _launch(args, tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.audit", *args],
+                        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+def test_launcher_writes_report_and_figure(tmp_path):
+  out = tmp_path / "audit"
+  proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
+                  "--epochs=2", "--width=8", "--target_epsilon=8", f"--output_dir={out}",
+                  "--audit_seed=0"], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "audit_report.json").read_text())
+  assert report["canary_kind"] == "gradient" and report["num_canaries"] == 200
+  assert report["epsilon_claimed"] == pytest.approx(8.0, abs=0.05)
+  assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+  assert (out / "audit_scores.png").stat().st_size > 0
+  assert "audit lower bound" in proc.stdout
+
+
+def test_launcher_flag_errors_are_one_line(tmp_path):
+  proc = _launch(["--dataset=digits", "--noise_multiplier=1", "--target_epsilon=2"], tmp_path)
+  assert proc.returncode == 1
+  assert "exactly one of --noise_multiplier" in proc.stderr
+  assert "Traceback" not in proc.stderr

@@ -1,0 +1,287 @@
+"""The assumptions behind a number: :class:`AccountingSpec` and the dp-accounting events.
+
+Every number in :mod:`tf_dpnsgd.accounting` is for the Gaussian mechanism
+applied to the SUM of per-example contributions, each with L2 norm at most
+``S`` (the transform's ``sensitivity``: 1 for normalization, ``c`` for
+clipping), with noise ``N(0, (sigma * S)^2 I)``. ``sigma`` is the *noise
+multiplier*, the unit used everywhere in this package.
+
+=========  ======================  ==================================  =========================
+sampling   neighbours              dp-accounting event (per step)      accountants
+=========  ======================  ==================================  =========================
+poisson    add/remove one          ``PoissonSampled(q, Gaussian(s))``  ``rdp``, ``pld``
+uniform    replace one             ``SampledWithoutReplacement(N, B,   ``rdp`` (+ the paper's
+                                   Gaussian(s/2))``                    bound, alone or ``min``)
+shuffle    replace one             ``Gaussian(s/2)`` (rdp) or          ``rdp``, ``pld``
+                                   ``Gaussian(s)`` (pld), composed
+                                   once per epoch; no amplification
+=========  ======================  ==================================  =========================
+
+Replace-one doubles the sensitivity: swapping one example for another can
+move the sum by ``2S``. dp-accounting (0.6) is inconsistent about who pays
+for that (google/differential-privacy issue #378):
+
+* its RDP accountant does NOT double: ``GaussianDpEvent(m)`` is accounted as
+  ``alpha / (2 m^2)`` whatever the neighbouring relation, and
+  ``SampledWithoutReplacementDpEvent`` uses Wang, Balle, Kasiviswanathan
+  (2019) Thm. 9 with the base mechanism's RDP ``alpha / (2 m^2)``. So we pass
+  ``m = sigma / 2`` (noise std over the replace-one sensitivity ``2S``);
+* its PLD accountant DOES double for ``REPLACE_ONE`` (it compares
+  ``mu(x - S)`` with ``mu(x + S)``), so we pass ``m = sigma``;
+* its PLD accountant has no sampling-without-replacement event at all, so
+  ``uniform`` + ``pld`` is an unsupported pair (:class:`UnsupportedAccountingError`).
+
+``tests/test_accounting.py`` pins all three facts against closed forms, so an
+upgrade of dp-accounting that changes them fails loudly.
+
+Shuffling (``model.fit``'s own order, or :class:`tf_dpnsgd.sampling.ShuffleSampler`)
+has no proven amplification. We report the bound without amplification: with
+the permutation independent of the data, replacing one example changes the
+input of exactly one step per epoch, so ``T`` steps are ``ceil(T / (N // B))``
+adaptive compositions of the Gaussian mechanism with sensitivity ``2S``
+(parallel composition within an epoch, sequential across epochs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import dp_accounting
+import numpy as np
+
+from tf_dpnsgd.accounting.paper_bound import (PaperBoundConditionError, paper_bound_conditions,
+                                              paper_conditions_message)
+from tf_dpnsgd.accounting.validation import (AccountingError, UnsupportedAccountingError,
+                                             _validate_choice, validate_dataset_and_batch,
+                                             validate_noise_multiplier, validate_steps)
+
+NeighboringRelation = dp_accounting.NeighboringRelation
+
+SAMPLINGS = ("poisson", "uniform", "shuffle")
+ACCOUNTANTS = ("rdp", "pld")
+BOUNDS = ("default", "paper", "min")
+CONVERSIONS = ("modern", "classic")
+
+NEIGHBORING_RELATIONS = {
+    "poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "uniform": NeighboringRelation.REPLACE_ONE,
+    "shuffle": NeighboringRelation.REPLACE_ONE,
+}
+
+# Noise multiplier handed to dp-accounting = sigma / factor (see module docstring).
+_REPLACE_ONE_RDP_FACTOR = 2.0
+
+
+def _grid(start, stop, step):
+  return [round(float(v), 6) for v in np.arange(start, stop + step / 2, step)]
+
+
+# Dense order grid (about 300 orders; dp-accounting's default has 156).
+DEFAULT_ORDERS = tuple(sorted(set(
+    _grid(1.05, 3.0, 0.05) + _grid(3.1, 10.0, 0.1) + _grid(10.25, 32.0, 0.25)
+    + _grid(33, 64, 1) + _grid(66, 128, 2) + _grid(136, 256, 8) + _grid(288, 1024, 32))))
+
+# dp-accounting's sampling-without-replacement bound costs O(alpha^2) per
+# integer order up to 256 (fractional orders interpolate the two integers), so
+# its grid is denser where the optimum lies and sparse where it is costly.
+WOR_ORDERS = tuple(sorted(set(
+    _grid(1.1, 1.9, 0.1) + _grid(2.0, 10.0, 0.25) + _grid(11, 64, 1)
+    + [72.0, 80.0, 96.0, 112.0, 128.0, 320.0, 384.0, 512.0, 768.0, 1024.0])))
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountingSpec:
+  """How batches are drawn and how epsilon is computed for them.
+
+  Attributes:
+    dataset_size: ``N``.
+    batch_size: ``B`` (expected batch size ``qN`` for Poisson).
+    sampling: ``"poisson"``, ``"uniform"`` or ``"shuffle"`` (see module docstring).
+    accountant: ``"rdp"`` or ``"pld"`` (dp-accounting).
+    bound: ``"default"`` (dp-accounting), ``"paper"`` (the paper's bound alone)
+      or ``"min"`` (pointwise minimum of both RDP curves); the last two only
+      for ``uniform`` sampling with the ``rdp`` accountant.
+    conversion: RDP to (epsilon, delta): ``"modern"`` or ``"classic"``
+      (``rdp`` only).
+    orders: RDP orders; ``None`` picks :data:`DEFAULT_ORDERS` (or
+      :data:`WOR_ORDERS` for uniform sampling).
+
+  Raises:
+    AccountingError: for invalid sizes; :class:`UnsupportedAccountingError`
+      for combinations no implemented analysis covers.
+  """
+
+  dataset_size: int
+  batch_size: int
+  sampling: str
+  accountant: str = "rdp"
+  bound: str = "default"
+  conversion: str = "modern"
+  orders: Optional[tuple] = None
+
+  def __post_init__(self):
+    validate_dataset_and_batch(self.dataset_size, self.batch_size)
+    _validate_choice("sampling", self.sampling, SAMPLINGS)
+    _validate_choice("accountant", self.accountant, ACCOUNTANTS)
+    _validate_choice("bound", self.bound, BOUNDS)
+    _validate_choice("conversion", self.conversion, CONVERSIONS)
+    if self.sampling == "uniform" and self.accountant == "pld":
+      raise UnsupportedAccountingError(
+          "sampling='uniform' (fixed-size batches without replacement) has no PLD analysis "
+          "in dp-accounting (its PLD accountant does not support "
+          "SampledWithoutReplacementDpEvent). Use accountant='rdp', or Poisson sampling.")
+    if self.bound != "default" and self.sampling != "uniform":
+      raise UnsupportedAccountingError(
+          f"bound={self.bound!r} is the paper's bound for sampling WITHOUT replacement "
+          f"(Bun et al. 2018 Thm. 11); it does not apply to sampling={self.sampling!r}. "
+          "Use bound='default'.")
+    if self.bound != "default" and self.accountant != "rdp":
+      raise UnsupportedAccountingError(
+          f"bound={self.bound!r} is an RDP bound; use accountant='rdp'.")
+    if self.accountant == "pld" and self.conversion != "modern":
+      raise UnsupportedAccountingError(
+          "conversion='classic' converts RDP; the PLD accountant computes (epsilon, delta) "
+          "directly. Use conversion='modern' with accountant='pld'.")
+    if self.orders is not None:
+      orders = tuple(float(a) for a in self.orders)
+      if not orders or any(not a > 1.0 or not math.isfinite(a) for a in orders):
+        raise AccountingError(f"`orders` must be finite numbers > 1; got {self.orders!r}.")
+      object.__setattr__(self, "orders", orders)
+    if self.bound != "default":
+      # Fail early when the paper's sigma-independent condition (q < 0.1) fails; the
+      # others depend on sigma and are checked by rdp_curve.
+      failed = [c for c in paper_bound_conditions(self.sampling_rate, 1.0)
+                if c[0] == "sampling_ratio"]
+      if failed:
+        raise PaperBoundConditionError(
+            "sampling_ratio",
+            paper_conditions_message(failed, f"at q = B/N = {self.sampling_rate:.4g}")
+            + " Use bound='default' (dp-accounting) instead.")
+
+  # --- derived quantities ------------------------------------------------
+  @property
+  def sampling_rate(self) -> float:
+    """``q = B / N``."""
+    return self.batch_size / self.dataset_size
+
+  @property
+  def neighboring_relation(self) -> NeighboringRelation:
+    return NEIGHBORING_RELATIONS[self.sampling]
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """``N // B``: a full epoch of the shuffle sampler (nominal for the others)."""
+    return self.dataset_size // self.batch_size
+
+  @property
+  def rdp_orders(self) -> tuple:
+    if self.orders is not None:
+      return self.orders
+    return WOR_ORDERS if self.sampling == "uniform" else DEFAULT_ORDERS
+
+  def compositions(self, steps: int) -> int:
+    """How many times the per-composition event is composed for ``steps`` steps.
+
+    One per step, except for shuffling: one per epoch touched, since each
+    example is in at most one batch of an epoch.
+    """
+    steps = validate_steps(steps)
+    if self.sampling == "shuffle":
+      return -(-steps // self.steps_per_epoch)
+    return steps
+
+  def accountant_noise_multiplier(self, noise_multiplier: float) -> float:
+    """The noise multiplier in the convention the chosen dp-accounting accountant expects.
+
+    ``sigma`` (std over the per-example bound ``S``) for add/remove and for
+    PLD; ``sigma / 2`` (std over the replace-one sensitivity ``2S``) for the
+    RDP accountant under replace-one, which does not double by itself.
+    """
+    sigma = validate_noise_multiplier(noise_multiplier)
+    if self.neighboring_relation is NeighboringRelation.REPLACE_ONE and self.accountant == "rdp":
+      return sigma / _REPLACE_ONE_RDP_FACTOR
+    return sigma
+
+  def event(self, noise_multiplier: float) -> dp_accounting.DpEvent:
+    """The dp-accounting event of ONE composition (a step; an epoch for shuffling)."""
+    m = self.accountant_noise_multiplier(noise_multiplier)
+    gaussian = dp_accounting.GaussianDpEvent(m)
+    if self.sampling == "poisson":
+      return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
+    if self.sampling == "uniform":
+      return dp_accounting.SampledWithoutReplacementDpEvent(
+          self.dataset_size, self.batch_size, gaussian)
+    return gaussian
+
+  def composed_event(self, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
+    """The event of a whole run of ``steps`` steps."""
+    return dp_accounting.SelfComposedDpEvent(self.event(noise_multiplier),
+                                             self.compositions(steps))
+
+  def make_accountant(self) -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant with this spec's neighbouring relation and orders."""
+    if self.accountant == "pld":
+      return dp_accounting.pld.PLDAccountant(self.neighboring_relation)
+    return dp_accounting.rdp.RdpAccountant(list(self.rdp_orders), self.neighboring_relation)
+
+  def assumptions(self) -> dict:
+    """The assumptions behind a number from this spec, as readable strings."""
+    relation = {
+        NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove one example",
+        NeighboringRelation.REPLACE_ONE: "replace one example",
+    }[self.neighboring_relation]
+    sampling = {
+        "poisson": f"Poisson sampling: each step includes each example independently with "
+                   f"probability q = B/N = {self.sampling_rate:.6g} (variable batch size).",
+        "uniform": f"Each step draws a fresh uniformly random subset of exactly B = "
+                   f"{self.batch_size} of N = {self.dataset_size} examples, without "
+                   "replacement, independently across steps.",
+        "shuffle": f"Each epoch is a random permutation cut into {self.steps_per_epoch} "
+                   "disjoint batches (each example at most once per epoch). NO amplification "
+                   "by subsampling is proven for shuffling, so none is claimed: every epoch is "
+                   "accounted as a full-batch Gaussian mechanism.",
+    }[self.sampling]
+    if self.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
+      sensitivity = ("the noised sum changes by at most S (the per-example bound) between "
+                     "neighbours")
+    else:
+      sensitivity = ("the noised sum changes by up to 2S between neighbours (one bounded "
+                     "contribution swapped for another); accounted explicitly")
+    if self.accountant == "pld":
+      accountant = "dp-accounting PLD accountant (connect-the-dots, pessimistic)"
+    elif self.bound == "default":
+      accountant = "dp-accounting RDP accountant"
+    elif self.bound == "paper":
+      accountant = ("the paper's RDP bound 7 q^2 alpha / s^2 for alpha <= (s^2/2) "
+                    "log(1/q), with s = sigma/2 (replace-one sensitivity), valid under Bun et "
+                    "al. 2018 Thm. 11's conditions q < 0.1, rho = 1/(2 s^2) <= 0.1 and "
+                    "log(1/q) >= 3 rho (2 + log2(1/rho))")
+    else:
+      accountant = ("pointwise minimum of the dp-accounting RDP bound and the paper's bound "
+                    "(s = sigma/2; only where Bun et al. 2018 Thm. 11's conditions hold)")
+    conversion = "n/a (PLD gives (epsilon, delta) directly)" if self.accountant == "pld" else {
+        "modern": "RDP -> (epsilon, delta): Canonne-Kamath-Steinke 2020 (dp-accounting default)",
+        "classic": "RDP -> (epsilon, delta): epsilon = RDP(a) + log(1/delta)/(a-1) (Mironov 2017)",
+    }[self.conversion]
+    return {
+        "neighboring_relation": relation,
+        "sampling": sampling,
+        "sensitivity": "noise multiplier sigma = noise std / S; " + sensitivity,
+        "accountant": accountant,
+        "conversion": conversion,
+        "protects": "every intermediate model (all noised updates are released).",
+    }
+
+
+def make_spec(dataset_size, batch_size, sampling, accountant="rdp", bound="default",
+              conversion="modern", orders=None) -> AccountingSpec:
+  return AccountingSpec(dataset_size=dataset_size, batch_size=batch_size, sampling=sampling,
+                        accountant=accountant, bound=bound, conversion=conversion,
+                        orders=None if orders is None else tuple(orders))
+
+
+__all__ = ["ACCOUNTANTS", "AccountingSpec", "BOUNDS", "CONVERSIONS", "DEFAULT_ORDERS",
+           "NEIGHBORING_RELATIONS", "NeighboringRelation", "SAMPLINGS", "WOR_ORDERS",
+           "make_spec"]
