@@ -69,8 +69,9 @@ def test_dp_optimizer_serializes_its_schedule():
   config = json.loads(json.dumps(keras.saving.serialize_keras_object(optimizer)))
   assert config["config"]["learning_rate"]["registered_name"] == "tf_dpnsgd>StepSchedule"
   restored = keras.saving.deserialize_keras_object(config)
-  assert isinstance(restored._learning_rate, schedules.StepSchedule)
-  assert float(restored._learning_rate(6)) == pytest.approx(0.05)
+  schedule = restored.inner_optimizer._learning_rate  # the wrapped optimizer steps
+  assert isinstance(schedule, schedules.StepSchedule)
+  assert float(schedule(6)) == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("make", [
