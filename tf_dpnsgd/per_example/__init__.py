@@ -21,6 +21,13 @@ Engines (``per_example=`` on ``DPModel`` / ``make_private``):
     (examples, or microbatches with ``num_microbatches``); any model, slowest.
   * ``"auto"``: ``"layerwise"`` when every trainable variable is covered by a
     rule, else ``"vectorized"``; logs which and why (:func:`choose_engine`).
+    With TensorFlow's oneDNN CPU kernels on, ``"auto"`` never runs the
+    vectorized engine on a graph oneDNN breaks: it picks ``"microbatch"`` for
+    models with layers known to (:func:`vectorized.onednn_risky_layers`) and
+    checks every other model's traced graph, falling back to the microbatch
+    engine (:func:`vectorized.onednn_hazards`). An explicit
+    ``"vectorized"`` refuses such models (at ``compile`` for the known
+    layers, else while tracing).
 """
 
 from __future__ import annotations
@@ -55,13 +62,58 @@ def choose_engine(model, registry_=None) -> tuple[str, str]:
 
   Returns:
     ``("layerwise", reason)`` if every trainable variable belongs to a layer
-    with a layer-wise rule, else ``("vectorized", reason)`` naming the layers
-    without one.
+    with a layer-wise rule; else ``("microbatch", reason)`` if oneDNN is on
+    and the model has layers whose vectorized graph oneDNN breaks
+    (:func:`vectorized.onednn_risky_layers`); else ``("vectorized", reason)``
+    naming the layers without a rule.
   """
   cov = registry.coverage(model, registry_)
   if cov.complete:
     return "layerwise", cov.explain()
+  if vectorized.onednn_enabled():
+    risky = vectorized.onednn_risky_layers(model)
+    if risky:
+      return "microbatch", (f"{cov.explain()}, and TensorFlow's oneDNN kernels (on) break the "
+                            f"vectorized engine on {', '.join(risky[:4])}")
   return "vectorized", cov.explain()
+
+
+def _vectorized_unless_onednn_breaks_it(model, loss_fn, x, y, transform, mask=None,
+                                         num_microbatches=None):
+  """``"auto"``'s vectorized engine: the microbatch engine where oneDNN would break it.
+
+  With oneDNN on, the vectorized graph is first traced in a scratch graph
+  (nothing runs); if it holds a batch matmul oneDNN breaks
+  (:func:`vectorized.onednn_hazards`), the microbatch engine is used instead.
+  """
+  if vectorized.onednn_enabled():
+    hazards = vectorized.onednn_hazards(model, loss_fn, x, y, num_microbatches)
+    if hazards:
+      _log.warning("per_example='auto' uses the microbatch engine for model '%s': %s",
+                   model.name, vectorized.describe_onednn_hazards(model, hazards))
+      return microbatch_engine(model, loss_fn, x, y, transform, mask=mask,
+                               num_microbatches=num_microbatches)
+  return vectorized_engine(model, loss_fn, x, y, transform, mask=mask,
+                           num_microbatches=num_microbatches)
+
+
+def check_vectorized(model) -> None:
+  """Raises if ``per_example="vectorized"`` is known to break on ``model`` under oneDNN.
+
+  Raises:
+    UnsupportedLayerError: oneDNN is on and the model has layers whose
+      vectorized graph oneDNN computes wrongly or crashes on (the message
+      names them and says what to do).
+  """
+  if not vectorized.onednn_enabled():
+    return
+  risky = vectorized.onednn_risky_layers(model)
+  if risky:
+    raise UnsupportedLayerError(
+        f"per_example='vectorized' cannot run model '{model.name}' while TensorFlow's oneDNN "
+        f"CPU kernels are on: pfor turns the matmuls of {', '.join(risky)} into broadcasting "
+        "batch matmuls that oneDNN computes wrongly or crashes on (corrupting memory). "
+        + vectorized.ONEDNN_ADVICE)
 
 
 def resolve_engine(model, name: str):
@@ -69,24 +121,36 @@ def resolve_engine(model, name: str):
 
   Raises:
     UnsupportedLayerError: for ``"layerwise"`` when some trainable variable
-      has no layer-wise rule (the message names the layers).
+      has no layer-wise rule (the message names the layers); for
+      ``"vectorized"`` when oneDNN is on and the model has layers it breaks
+      (:func:`check_vectorized`).
   """
   validate_engine_name(name)
   if name == "layerwise":
     layerwise.check_coverage(model)
+  if name == "vectorized":
+    check_vectorized(model)
   if name != "auto":
     return ENGINES[name]
   chosen, why = choose_engine(model)
   if chosen == "layerwise":
     _log.info("per_example='auto' chose the layer-wise engine for model '%s': %s.",
               model.name, why)
-  else:
-    _log.warning("per_example='auto' chose the vectorized engine for model '%s' (slower, "
-                 "more memory) because there is %s. Register a layer-wise rule to use the "
-                 "fast path, or pass per_example='vectorized' to silence this.", model.name, why)
+    return ENGINES[chosen]
+  if chosen == "microbatch":
+    _log.warning("per_example='auto' chose the microbatch engine (slowest) for model '%s' "
+                 "because there is %s. Register layer-wise rules for the other layers, or set "
+                 "TF_ENABLE_ONEDNN_OPTS=0 before importing TensorFlow to use the vectorized "
+                 "engine.", model.name, why)
+    return ENGINES[chosen]
+  _log.warning("per_example='auto' chose the vectorized engine for model '%s' (slower, "
+               "more memory) because there is %s. Register a layer-wise rule to use the "
+               "fast path, or pass per_example='vectorized' to silence this.", model.name, why)
+  if vectorized.onednn_enabled():  # decided per traced graph
+    return _vectorized_unless_onednn_breaks_it
   return ENGINES[chosen]
 
 
 __all__ = ["DEFAULT_REGISTRY", "EngineOutput", "ENGINES", "ENGINE_NAMES", "LayerRule",
-           "UnsupportedLayerError", "choose_engine", "layerwise_engine", "microbatch_engine",
-           "registry", "resolve_engine", "validate_engine_name", "vectorized_engine"]
+           "UnsupportedLayerError", "check_vectorized", "choose_engine", "layerwise_engine",
+           "microbatch_engine", "registry", "resolve_engine", "validate_engine_name", "vectorized_engine"]

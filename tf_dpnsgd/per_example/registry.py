@@ -2,7 +2,7 @@
 
 A :class:`LayerRule` tells the engine (a) which variables of a layer it
 accounts for, (b) why a particular instance cannot be handled (LoRA, a
-quantized kernel, grouped convolutions, ...) and (c) how to run one call of the
+quantized kernel, a 3D convolution, ...) and (c) how to run one call of the
 layer so that the engine can read the per-example gradients:
 
 ``capture(layer, call, args, kwargs, probe) -> (outputs, finish)``

@@ -5,20 +5,72 @@ pfor converter turns into batched ops: one traced graph, about 2x the cost of a
 plain step on ResNet20-GN on CPU (``tape.jacobian`` is ~60x). The gradients
 are materialised (``[U, *var_shape]`` per variable), transformed and summed by
 :func:`tf_dpnsgd.transforms.transform_and_sum`.
+
+Two TensorFlow problems are handled here, each with a test in
+``tests/test_engine_coverage.py``:
+
+* **oneDNN** (TensorFlow's default CPU kernels on x86 Linux): its batch
+  matmul crashes the process or silently returns wrong values (and corrupts
+  memory for later computations) on the broadcasting batch matmuls
+  ``[U, 1, T, d] x [d, k]`` that pfor makes of a rank-3 ``tf.matmul`` with a
+  2-D kernel, e.g. every ``EinsumDense`` of ``MultiHeadAttention``. With
+  oneDNN on, the engine refuses such a model before anything runs
+  (:func:`onednn_matmul_hazards` on the traced graph) and ``"auto"`` uses
+  the microbatch engine instead (:func:`onednn_risky_layers`,
+  :func:`onednn_hazards`).
+* **pfor and ``tf.nn.bias_add(..., "NCHW")``**: Keras adds an
+  ``EinsumDense`` bias that varies along the output's second axis (e.g.
+  ``"abc,cd->abd"`` with ``bias_axes="b"``) with an NCHW ``bias_add``, whose
+  pfor gradient converter assumes 4-D tensors and fails. While the engine
+  traces, ``EinsumDense`` layers add their bias with an explicit broadcast
+  (:class:`ExplicitBiasAdd`): the same values, no ``BiasAdd`` op.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import threading
+
 import keras
 import tensorflow as tf
+from keras import ops
 
 from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example.base import EngineOutput
+
+try:  # TensorFlow's own answer to "are oneDNN kernels used in this process?"
+  from tensorflow.python.util import _pywrap_util_port
+except ImportError:  # pragma: no cover (other TensorFlow builds)
+  _pywrap_util_port = None
 
 
 def batch_size_of(x) -> tf.Tensor:
   """Dynamic leading dimension of the first tensor in ``x``."""
   return tf.shape(tf.nest.flatten(x)[0])[0]
+
+
+RAGGED_ADVICE = ("Use per_example='microbatch' (which runs one example at a time and handles "
+                 "them), or pad the ids to a dense [batch, max_length] tensor with 0 as padding "
+                 "and use keras.layers.Embedding(..., mask_zero=True) with a masked reduction "
+                 "(e.g. GlobalAveragePooling1D), which every engine handles.")
+
+
+def check_dense_inputs(x, engine: str) -> None:
+  """Raises for ``tf.RaggedTensor`` / ``tf.SparseTensor`` leaves of ``x`` (bag-of-words ids).
+
+  pfor cannot stack a ragged tensor rebuilt inside the loop (it fails at run
+  time, deep in a ``TensorListStack``), so the vectorized engine refuses them
+  up front, with a message saying what to do.
+
+  Raises:
+    ValueError: naming the engine and the alternatives.
+  """
+  composite = [t for t in tf.nest.flatten(x) if isinstance(t, (tf.RaggedTensor, tf.SparseTensor))]
+  if composite:
+    raise ValueError(f"per_example='{engine}' does not support {type(composite[0]).__name__} "
+                     f"inputs. {RAGGED_ADVICE}")
 
 
 def to_units(x, num_microbatches):
@@ -84,6 +136,259 @@ def per_unit_random_state(generators, unit_index):
   return keras.StatelessScope(state_mapping=mapping)
 
 
+# --- oneDNN ------------------------------------------------------------------
+
+ONEDNN_ADVICE = ("Use per_example='layerwise' (or 'microbatch'), or set TF_ENABLE_ONEDNN_OPTS=0 "
+                 "in the environment before TensorFlow is imported.")
+
+_BATCH_MATMUL_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def onednn_enabled() -> bool:
+  """Whether TensorFlow uses its oneDNN (MKL) CPU kernels in this process.
+
+  TensorFlow decides once, at start-up: on x86 Linux oneDNN is on when the CPU
+  has AVX512-VNNI/BF16, AVX-VNNI or AMX, unless ``TF_ENABLE_ONEDNN_OPTS=0``
+  (``=1`` forces it on). Setting the variable after TensorFlow is imported
+  changes nothing. Asks TensorFlow itself; if that is not possible, reads the
+  variable and assumes on for x86-64 Linux (the conservative answer: it only
+  makes the vectorized engine refuse more).
+
+  Returns:
+    True if oneDNN kernels may run.
+  """
+  if _pywrap_util_port is not None and hasattr(_pywrap_util_port, "IsMklEnabled"):
+    return bool(_pywrap_util_port.IsMklEnabled())
+  value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+  if value is not None:
+    return value.strip().lower() not in ("0", "false")
+  return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _same_batch_dims(a: tf.TensorShape, b: tf.TensorShape) -> bool:
+  if a.rank != b.rank:
+    return False
+  return all(x == y for x, y in zip(a.as_list(), b.as_list()))
+
+
+def onednn_matmul_hazards(operations) -> list:
+  """The batch matmuls oneDNN computes wrongly or crashes on.
+
+  TensorFlow 2.21's oneDNN batch matmul corrupts memory when it broadcasts
+  over batch dimensions of rank-4 operands (TF issues #117700, #123109; e.g.
+  ``[16, 1, 4, 6] x [6, 6]`` returns wrong values or aborts the process with
+  ``free(): invalid pointer``). Rank-3 broadcasts (``[B, T, d] x [d, k]``)
+  were exact in every shape tried and are not flagged.
+
+  Args:
+    operations: graph operations (e.g. ``graph.get_operations()``).
+
+  Returns:
+    ``[op]`` of every ``BatchMatMul*`` whose output has rank >= 4 (or
+    unknown) and whose operands' batch dimensions are not identical (a
+    broadcast, or unknown). Empty if there is none.
+  """
+  hazards = []
+  for op in operations:
+    if op.type not in _BATCH_MATMUL_OPS:
+      continue
+    a, b = op.inputs[0].shape, op.inputs[1].shape
+    if a.rank is None or b.rank is None:
+      hazards.append(op)
+      continue
+    if max(a.rank, b.rank) < 4 or _same_batch_dims(a[:-2], b[:-2]):
+      continue
+    hazards.append(op)
+  return hazards
+
+
+def _layer_of_op(op_name: str, layers) -> str | None:
+  """The model layers whose name scopes ``op_name`` lies in (Keras appends ``_N``), innermost first.
+
+  E.g. ``"EinsumDense 'key' in MultiHeadAttention 'attn'"``; None if none.
+  """
+  found = []
+  for part in op_name.split("/"):
+    for layer in layers:
+      rest = part[len(layer.name):]
+      if part.startswith(layer.name) and (not rest or (rest[0] == "_" and rest[1:].isdigit())):
+        found.append(f"{type(layer).__name__} '{layer.name}'")
+        break
+  return " in ".join(reversed(found)) if found else None
+
+
+def describe_onednn_hazards(model, hazard_ops) -> str:
+  """A message naming the layers whose batch matmuls oneDNN cannot run."""
+  layers = [l for l in model._flatten_layers(include_self=False, recursive=True)]
+  names, shapes = [], []
+  for op in hazard_ops:
+    name = _layer_of_op(op.name, layers) or f"op '{op.name}'"
+    if name not in names:
+      names.append(name)
+      shapes.append(f"{op.inputs[0].shape} x {op.inputs[1].shape}")
+  detail = "; ".join(f"{n} ({s})" for n, s in zip(names, shapes))
+  return (f"per_example='vectorized' cannot run model '{model.name}' while TensorFlow's oneDNN "
+          f"CPU kernels are on: tf.vectorized_map turns {detail} into a broadcasting batch "
+          "matmul that oneDNN computes wrongly or crashes on (corrupting memory). "
+          + ONEDNN_ADVICE)
+
+
+def _equation_input_rank(equation: str) -> int | None:
+  inputs = equation.replace(" ", "").split("->")[0].split(",")[0]
+  return None if "..." in inputs else len(inputs)
+
+
+def onednn_risky_layers(model) -> list:
+  """Layers known to give a oneDNN-broken vectorized graph (before any tracing).
+
+  ``MultiHeadAttention`` (and subclasses) and ``EinsumDense`` layers whose
+  equation takes inputs of rank >= 3 (or ``...``): Keras computes them with a
+  rank-3 ``tf.matmul`` against the 2-D kernel, which pfor makes a rank-4
+  broadcast (:func:`onednn_matmul_hazards`). Other layers (a custom layer
+  calling ``tf.matmul``) are caught when the engine traces.
+
+  Returns:
+    ``["Type 'name'"]`` of such layers.
+  """
+  risky = []
+  for layer in model._flatten_layers(include_self=False, recursive=True):
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+      risky.append(f"{type(layer).__name__} '{layer.name}'")
+    elif isinstance(layer, keras.layers.EinsumDense):
+      rank = _equation_input_rank(layer.equation)
+      if rank is None or rank >= 3:
+        risky.append(f"{type(layer).__name__} '{layer.name}'")
+  return risky
+
+
+# --- EinsumDense biases ---------------------------------------------------------
+
+_BIAS_LOCK = threading.Lock()
+_BIAS_ROUTES: dict = {}  # id(layer) -> [layer, previous instance attribute, count]
+_MISSING = object()
+
+
+def _explicit_bias_call(layer):
+  """``EinsumDense.call`` with the bias added by ``tf.add`` of an explicit broadcast."""
+  def call(inputs, training=None):
+    del training
+    z = ops.einsum(layer.equation, inputs, layer.kernel)
+    if layer.bias is not None:
+      axes = registry_lib.bias_layout(z.shape[1:], tuple(layer.bias.shape))  # as Keras adds it
+      shape = [1] * len(z.shape)
+      for axis in axes:
+        shape[axis] = z.shape[axis]
+      z = tf.add(z, tf.cast(tf.reshape(ops.convert_to_tensor(layer.bias), shape), z.dtype))
+    return layer.activation(z) if layer.activation is not None else z
+  return call
+
+
+class ExplicitBiasAdd:
+  """Context manager: ``EinsumDense`` layers of ``model`` add their bias with ``tf.add``.
+
+  Keras' ``ops.add`` turns a bias varying along the output's second axis
+  into ``tf.nn.bias_add(..., data_format="NCHW")``, whose pfor gradient
+  converter only handles 4-D tensors (a 3-D output fails to convert, "Invalid
+  reduction dimension"). Inside this context every plain ``EinsumDense``
+  (exact type, no LoRA, not quantized) with a bias gets an instance
+  attribute ``call`` that computes the same einsum and adds the bias
+  broadcast along the axes Keras adds it along
+  (:func:`~tf_dpnsgd.per_example.registry.bias_layout`): the same values, and
+  a gradient pfor converts. Removed on exit (reference counted under a lock,
+  as ``tf.distribute`` replica threads share layers).
+  """
+
+  def __init__(self, model):
+    self._layers = [
+        l for l in model._flatten_layers(include_self=True, recursive=True)
+        if type(l) is keras.layers.EinsumDense and l.bias is not None  # pylint: disable=unidiomatic-typecheck
+        and registry_lib.common_unsupported(l) is None]
+    self._installed = []
+
+  def __enter__(self):
+    with _BIAS_LOCK:
+      try:
+        for layer in self._layers:
+          entry = _BIAS_ROUTES.get(id(layer))
+          if entry is None:
+            previous = layer.__dict__.get("call", _MISSING)
+            object.__setattr__(layer, "call", _explicit_bias_call(layer))
+            _BIAS_ROUTES[id(layer)] = [layer, previous, 1]
+          else:
+            entry[2] += 1
+          self._installed.append(layer)
+      except BaseException:
+        self._uninstall()
+        raise
+    return self
+
+  def _uninstall(self):
+    while self._installed:
+      layer = self._installed.pop()
+      entry = _BIAS_ROUTES[id(layer)]
+      entry[2] -= 1
+      if entry[2] == 0:
+        del _BIAS_ROUTES[id(layer)]
+        if entry[1] is _MISSING:
+          object.__delattr__(layer, "call")
+        else:
+          object.__setattr__(layer, "call", entry[1])
+
+  def __exit__(self, *exc):
+    with _BIAS_LOCK:
+      self._uninstall()
+    return False
+
+
+# --- the engine -------------------------------------------------------------------
+
+def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_microbatches):
+  """``(grads, losses, y_pred)`` per unit from ``tf.vectorized_map`` (builds ops only)."""
+
+  def unit_gradient(args):
+    x_u, y_u, index = args
+    if not num_microbatches:
+      x_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), x_u)
+      y_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y_u)
+    with per_unit_random_state(generators, index):
+      with tf.GradientTape() as tape:
+        with ExplicitBiasAdd(model):
+          y_pred = model(x_u, training=True)
+        losses = loss_fn(y_u, y_pred)
+        loss = tf.reduce_mean(losses)
+      grads = tape.gradient(loss, variables,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (Embedding) -> dense
+    return grads, losses, y_pred
+
+  units = batch_size_of(xu)
+  return tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+
+
+def onednn_hazards(model, loss_fn, x, y, num_microbatches=None, variables=None) -> list:
+  """Traces the vectorized per-unit gradients in a scratch graph; its oneDNN hazards.
+
+  Nothing is run (the graph is only built), so this is safe to call with
+  oneDNN on. Used by ``per_example="auto"`` to fall back to the microbatch
+  engine, and by :func:`vectorized_engine` in eager mode.
+
+  Returns:
+    :func:`onednn_matmul_hazards` of the traced graph's operations.
+  """
+  if variables is None:
+    variables = model.trainable_variables
+  generators = seed_generators(model)
+  specs = tf.nest.map_structure(tf.type_spec_from_value, (x, y))
+
+  def trace(x_, y_):
+    return _per_unit_gradients(model, loss_fn, to_units(x_, num_microbatches),
+                               to_units(y_, num_microbatches), variables, generators,
+                               num_microbatches)
+
+  graph = tf.function(trace, autograph=False).get_concrete_function(*specs).graph
+  return onednn_matmul_hazards(graph.get_operations())
+
+
 def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
                       variables=None) -> EngineOutput:
   """Transformed sum of per-unit gradients via ``tf.vectorized_map``.
@@ -100,33 +405,36 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
 
   Returns:
     :class:`EngineOutput`.
+
+  Raises:
+    ValueError: for ragged or sparse inputs (:func:`check_dense_inputs`).
+    UnsupportedLayerError: with oneDNN on (:func:`onednn_enabled`), if the
+      traced graph holds a batch matmul oneDNN breaks
+      (:func:`onednn_matmul_hazards`); raised while tracing (in eager mode,
+      after a scratch trace), so nothing has run.
   """
   if variables is None:
     variables = model.trainable_variables
+  check_dense_inputs(x, "vectorized")
   check_mask_and_microbatches(mask, num_microbatches)
   with tf.control_dependencies(check_microbatches(batch_size_of(x), num_microbatches)):
     xu = to_units(x, num_microbatches)
     yu = to_units(y, num_microbatches)
 
   generators = seed_generators(model)
-
-  def unit_gradient(args):
-    x_u, y_u, index = args
-    if not num_microbatches:
-      x_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), x_u)
-      y_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y_u)
-    with per_unit_random_state(generators, index):
-      with tf.GradientTape() as tape:
-        y_pred = model(x_u, training=True)
-        losses = loss_fn(y_u, y_pred)
-        loss = tf.reduce_mean(losses)
-      grads = tape.gradient(loss, variables,
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (Embedding) -> dense
-    return grads, losses, y_pred
-
-  units = batch_size_of(xu)
-  grads, losses, y_pred = tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+  check = onednn_enabled()
+  if check and tf.executing_eagerly():  # vectorized_map would run at once: trace it first
+    hazards = onednn_hazards(model, loss_fn, x, y, num_microbatches, variables)
+    if hazards:
+      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
+  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  first = len(graph.get_operations()) if graph is not None else 0
+  grads, losses, y_pred = _per_unit_gradients(model, loss_fn, xu, yu, variables, generators,
+                                              num_microbatches)
+  if check and graph is not None:  # raised while tracing: nothing has run
+    hazards = onednn_matmul_hazards(graph.get_operations()[first:])
+    if hazards:
+      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
   for gen in generators:  # advance each random stream once per step
     gen.next()
   summed, norms, factors = transforms.transform_and_sum(grads, transform, mask)

@@ -5,7 +5,7 @@ layer type                                     module             per-example no
 =============================================  =================  ==================================
 ``keras.layers.Dense``                         :mod:`.dense`      kernel (ghost or materialised), bias
 ``keras.layers.EinsumDense``                   :mod:`.dense`      kernel (ghost or materialised), bias
-``keras.layers.Conv1D`` / ``Conv2D``           :mod:`.conv`       kernel from input patches, bias
+``keras.layers.Conv1D`` / ``Conv2D``           :mod:`.conv`       kernel from input patches (per group), bias
 ``keras.layers.Embedding``                     :mod:`.embedding`  rows gathered per example
 ``keras.layers.ReversibleEmbedding`` (also     :mod:`.embedding`  lookup rows, reverse projection,
 keras-hub's)                                                      tied weights (exact cross term)

@@ -10,8 +10,15 @@ the materialised one, whichever is cheaper for ``T = H' W'`` vs ``kh kw c_in``
 and ``c_out`` (:func:`~..factored.use_ghost`): early layers of a CIFAR ResNet
 (T = 1024) materialise, small-spatial wide layers use the ghost norm.
 
-Not covered (the layer counts as unsupported): ``groups > 1``, Conv3D,
-transposed, depthwise and separable convolutions.
+Grouped convolutions (``groups = G > 1``): group ``k`` convolves input
+channels ``[k c_in/G, (k+1) c_in/G)`` with kernel columns
+``[k c_out/G, (k+1) c_out/G)``, so the kernel gradient is the concatenation
+(along the output channels) of ``G`` ungrouped ones, each a
+:class:`ConvOuter` of its channel slices (:class:`GroupedConv`); its squared
+norm is the sum of theirs.
+
+Not covered (the layer counts as unsupported): Conv3D, transposed, depthwise
+and separable convolutions.
 """
 
 from __future__ import annotations
@@ -182,8 +189,7 @@ class ConvOuter(factored.Representation):
       value, error = factored.ghost_estimate(patches, b, scale)
       return value, error, scale, None
     per_example = tf.matmul(b, patches, transpose_a=True)  # [n, q, p]
-    value = tf.reduce_sum(tf.square(tf.cast(per_example, tf.float64)), axis=[1, 2])
-    error = factored.gamma(self.p * self.q) * value
+    value, error = factored.sum_of_squares(per_example)
     if self.keep_materialized:
       # Exactly these float32 gradients enter the weighted sum: their float64 sum of
       # squares is the norm of what is summed, nothing to recompute (scale None).
@@ -286,12 +292,71 @@ class ConvOuter(factored.Representation):
     return factored.materialized_units(self, num_units)
 
 
+class GroupedConv(factored.Representation):
+  """Per-example kernel gradients of a grouped convolution: ``G`` blocks side by side.
+
+  ``g_u = concat_k(g_u^k)`` along the last (output channel) axis, where
+  ``g_u^k`` is group ``k``'s kernel gradient (a :class:`ConvOuter` of its
+  input channels and output-gradient channels). The blocks are disjoint, so
+  ``||g_u||^2 = sum_k ||g_u^k||^2``: the estimate adds the groups' float64
+  estimates and error bounds (plus the rounding of that sum,
+  ``gamma(G) sum_k |v_k|``); the scale (sum of the norms of the rank-one
+  terms) is the sum of the groups' scales. Everything else (float64
+  recomputation, weighted sum, per-unit gradients) is the groups'
+  concatenated.
+
+  Args:
+    parts: one :class:`ConvOuter` per group, in group order.
+  """
+
+  #: to_units materialises (see :func:`~..factored.materialized_units`).
+  exact_regrouping = False
+
+  def __init__(self, parts):
+    self.parts = list(parts)
+
+  def estimate(self) -> factored.Estimate:
+    estimates = [p.estimate() for p in self.parts]
+    value = tf.add_n([e.value for e in estimates])
+    error = tf.add_n([e.error for e in estimates])
+    error = error + factored.gamma(len(estimates)) * tf.add_n([tf.abs(e.value) for e in estimates])
+    if all(e.scale is None for e in estimates):  # sums of squares: nothing can cancel
+      return factored.Estimate(value, error, None)
+    scale = tf.add_n([e.scale if e.scale is not None
+                      else tf.sqrt(tf.maximum(e.value + e.error, 0.0)) for e in estimates])
+    return factored.Estimate(value, error, scale)
+
+  def unit_gradient64(self, u):
+    pieces = [p.unit_gradient64(u) for p in self.parts]
+    return (tf.concat([g for g, _ in pieces], axis=-1), tf.add_n([e for _, e in pieces]))
+
+  def gather_units(self, indices) -> "GroupedConv":
+    return GroupedConv([p.gather_units(indices) for p in self.parts])
+
+  def raw_weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
+    return tf.concat([p.raw_weighted_sum(factors) for p in self.parts], axis=-1)
+
+  def per_unit(self) -> tf.Tensor:
+    return tf.concat([p.per_unit() for p in self.parts], axis=-1)
+
+  def to_units(self, num_units: int) -> factored.Materialized:
+    return factored.materialized_units(self, num_units)
+
+
+def conv_kernel_representation(x, g, groups, kernel_size, strides, dilation_rate, padding):
+  """:class:`ConvOuter` (``groups == 1``) or :class:`GroupedConv` of channels-last ``x``, ``g``."""
+  if groups == 1:
+    return ConvOuter(x, g, kernel_size, strides, dilation_rate, padding)
+  xs = tf.split(x, groups, axis=-1)
+  gs = tf.split(g, groups, axis=-1)
+  return GroupedConv([ConvOuter(xk, gk, kernel_size, strides, dilation_rate, padding)
+                      for xk, gk in zip(xs, gs)])
+
+
 def _conv_unsupported(layer):
   why = registry_lib.common_unsupported(layer)
   if why:
     return why
-  if getattr(layer, "groups", 1) != 1:
-    return f"grouped convolution (groups={layer.groups})"
   if layer.rank not in (1, 2):
     return f"{layer.rank}D convolution"
   return None
@@ -332,8 +397,9 @@ def _conv_capture(layer, call, args, kwargs, probe):
     if layer.data_format == "channels_first":
       perm = [0] + list(range(2, layer.rank + 2)) + [1]
       x, g = tf.transpose(x, perm), tf.transpose(g, perm)
-    out = [(layer.kernel, ConvOuter(x, g, layer.kernel_size, layer.strides,
-                                    layer.dilation_rate, padding))]
+    out = [(layer.kernel, conv_kernel_representation(x, g, layer.groups, layer.kernel_size,
+                                                     layer.strides, layer.dilation_rate,
+                                                     padding))]
     if layer.use_bias:
       out.append((layer.bias,
                   factored.Materialized(

@@ -45,8 +45,19 @@ def _embedding_variables(layer):
   return [layer.embeddings]
 
 
+def _check_dense_ids(layer, inputs):
+  if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+    raise registry_lib.UnsupportedLayerError(
+        f"Embedding '{layer.name}' got {type(inputs).__name__} ids; the layer-wise engine needs "
+        "one dense row of ids per example. Use per_example='microbatch' (one example at a "
+        "time), or pad the ids to a dense [batch, max_length] tensor with 0 as padding and "
+        "use keras.layers.Embedding(..., mask_zero=True) with a masked reduction (e.g. "
+        "GlobalAveragePooling1D).")
+
+
 def _embedding_capture(layer, call, args, kwargs, probe):
   inputs = registry_lib.bind_call_arguments(call, args, kwargs)["inputs"]
+  _check_dense_ids(layer, inputs)
   outputs = probe(call(*args, **kwargs))
 
   def finish(grads):
@@ -72,6 +83,7 @@ def _reversible_capture(layer, call, args, kwargs, probe):
   arguments = registry_lib.bind_call_arguments(call, args, kwargs)
   inputs = arguments["inputs"]
   if not arguments.get("reverse", False):
+    _check_dense_ids(layer, inputs)
     outputs = probe(call(*args, **kwargs))
 
     def finish_lookup(grads):
