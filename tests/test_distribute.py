@@ -1,15 +1,20 @@
 """Under MirroredStrategy (2 logical CPUs) the DP step equals the single-device step.
 
-Runs in a subprocess: logical devices must be configured before TF starts.
+Runs in subprocesses: logical devices must be configured before TF starts.
 Noise is added once per logical batch (same draw on every replica, on the
-all-reduced sum), so with the same seed the weights match.
+all-reduced sum), so with the same seed the weights match. The multi-worker
+twin of these checks is tests/test_multiworker.py.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+
+import dist_checks
 
 SCRIPT = textwrap.dedent("""
     import os, sys
@@ -49,3 +54,50 @@ def test_mirrored_strategy_matches_single_device(noise):
   assert float(moved) > 1e-3  # training changed the weights
   assert float(diff) < 1e-6  # ... identically on 1 and 2 replicas
   assert int(draws) == 2  # one noise draw per logical batch
+
+
+def test_mirrored_every_sampling_matches_single_process_and_draws_once(tmp_path):
+  """Poisson, uniform and shuffle plans (odd B: a masked padding row per step, next to an
+  example of magnitude 1e6) on 2 replicas: same ledger and weights as one process at
+  noise 0; at sigma > 0 (OS noise key) the update noise has std sigma * C * sqrt(T) / B."""
+  script = os.path.join(os.path.dirname(__file__), "dist_script.py")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env.pop("TF_CONFIG", None)
+  procs = {mode: subprocess.Popen([sys.executable, script, mode, str(tmp_path / f"{mode}.npz")],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for mode in ("single", "mirrored")}
+  try:
+    outputs = {mode: p.communicate(timeout=300)[0] for mode, p in procs.items()}
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for mode, p in procs.items():
+    assert p.returncode == 0, outputs[mode][-4000:]
+  single = dict(np.load(tmp_path / "single.npz"))
+  mirrored = dict(np.load(tmp_path / "mirrored.npz"))
+  assert int(mirrored["replicas"]) == 2
+  dist_checks.assert_same_training(single, mirrored)
+  dist_checks.assert_one_draw_per_step(mirrored)
+  dist_checks.assert_one_draw_per_step(single)  # the oracle holds without a strategy too
+
+
+def test_padding_to_replicas_keeps_the_batch_and_masks_the_rest():
+  """The global batch of step t is the same examples for any number of replicas; padding
+  rows (index 0) are masked and the denominator stays B (qN for Poisson)."""
+  from tf_dpnsgd import ledger, sampling as sampling_lib  # pylint: disable=import-outside-toplevel
+  x = np.arange(40, dtype=np.float32).reshape(40, 1) + 1.0
+  y = np.zeros(40, np.int32)
+  for sampling in ("poisson", "uniform", "shuffle"):
+    sampler = sampling_lib.make_sampler(sampling, 40, 7, seed=5)
+    one = list(sampler.numpy_batches(x, y, num_steps=3))
+    for replicas in (2, 3, 8):
+      many = list(sampler.numpy_batches(x, y, num_steps=3, num_replicas=replicas))
+      for (x1, _, t1), (xr, _, tr) in zip(one, many):
+        assert len(xr) % replicas == 0 and len(xr) - len(x1) < replicas
+        m1 = t1.get(ledger.DP_MASK_KEY, np.ones(len(x1), bool))
+        mr = tr[ledger.DP_MASK_KEY]
+        np.testing.assert_array_equal(np.sort(xr[mr, 0]), np.sort(x1[m1, 0]))
+        assert not mr[len(x1):].any()
+        np.testing.assert_array_equal(tr[ledger.DP_DENOMINATOR_KEY], 7.0)  # qN = B = 7

@@ -359,7 +359,14 @@ def make_probe_function(model):
     if limit:
       x, y, mask = limit_rows(x, y, mask, limit)
     report = probe_interaction(model_forward_losses(model, model._dp_loss_fn), x, y, mask)
-    return report.tested, report.interacting
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+      return report.tested, report.interacting
+    # One verdict for all replicas and workers: a worker that alone kept probing (or
+    # raised) would run other collectives than the rest and stall or corrupt the job.
+    counts = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
+        tf.stack([report.tested, report.interacting]), tf.float32))  # float: device memory
+    return counts[0] > 0, counts[1] > 0
 
   def probe(data):
     return strategy.run(replica_fn, args=(data,))

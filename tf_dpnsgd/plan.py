@@ -30,7 +30,10 @@ the train step refuses one that would be.
 
 The report reads only the model's ledger (:mod:`tf_dpnsgd.ledger`): the steps
 actually taken, the kind of batch they consumed and the smallest noise
-multiplier used. It refuses (:class:`tf_dpnsgd.ledger.LedgerMismatchError`)
+multiplier used. With quantile-adaptive clipping that multiplier is the
+effective one of the gradient and count queries together
+(:mod:`tf_dpnsgd.accounting.adaptive`), so calibration, the accountant and the
+ledger check need nothing else; the report adds a note with the split. It refuses (:class:`tf_dpnsgd.ledger.LedgerMismatchError`)
 to describe a ledger that does not match the plan, e.g. Poisson accounting
 for batches that Keras drew itself.
 """
@@ -45,6 +48,7 @@ from typing import Optional
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks as callbacks_lib
+from tf_dpnsgd import distribution
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
 
@@ -230,23 +234,60 @@ class PrivacyPlan:
     if steps > self.num_steps:
       notes.append(f"{steps} steps ran, more than the {self.num_steps} planned; the epsilon "
                    "covers all of them.")
+    notes.extend(self._adaptive_clipping_notes(model))
     return self._report(steps, notes)
+
+  def _adaptive_clipping_notes(self, model) -> list:
+    """What the report says about adaptive clipping's count query (if ``model`` used it)."""
+    optimizer = getattr(model, "optimizer", None)
+    if getattr(optimizer, "adaptive_clip", None) is None:
+      return []
+    sigma = self.training_noise_multiplier
+    sigma_b = optimizer.resolved_clipped_count_stddev(self.batch_size)
+    try:
+      sigma_grad = f"{accounting.gradient_noise_multiplier(sigma, sigma_b):.6g}"
+    except accounting.AccountingError:
+      sigma_grad = "undefined (2 sigma_b <= sigma: such steps were refused)"
+    return [f"Quantile-adaptive clipping (Andrew et al. 2021): each step released the "
+            f"clipped gradient sum (noise multiplier sigma_grad = {sigma_grad}) and a noised "
+            f"count of unclipped examples (sensitivity 1/2, std sigma_b = {sigma_b:.6g}); "
+            f"the epsilon accounts for both through the effective noise multiplier "
+            f"(sigma_grad^-2 + (2 sigma_b)^-2)^(-1/2) = {sigma:.6g}. Clip now: "
+            f"{float(optimizer.current_l2_norm_clip):.6g} (initial "
+            f"{optimizer.l2_norm_clip:.6g}, target unclipped quantile "
+            f"{optimizer.target_unclipped_quantile:g}, clip learning rate "
+            f"{optimizer.clip_learning_rate:g})."]
 
   def epsilon_of(self, model) -> float:
     """Epsilon of what ``model``'s ledger executed (see :meth:`report`)."""
     return self.report(model).epsilon
 
   # --- training helpers ------------------------------------------------------
-  def dataset(self, x, y, start_step: Optional[int] = None, model=None):
+  def dataset(self, x, y, start_step: Optional[int] = None, model=None,
+              num_replicas: Optional[int] = None):
     """The sampler's infinite ``tf.data`` stream (see :meth:`fit_kwargs`).
 
     Args:
       x, y: the ``N`` training examples.
       start_step: the first step's index; default: ``model``'s ledger step, or 0.
       model: the DP model this stream feeds; the stream then continues its
-        privacy ledger (after a resume, a second ``fit`` or a recompile).
+        privacy ledger (after a resume, a second ``fit`` or a recompile), and
+        is cut for its ``distribute_strategy``.
+      num_replicas: replicas the global batch is split over (default: those of
+        ``model``'s strategy, else 1); the batch is padded with masked rows to
+        a multiple of it (see :mod:`tf_dpnsgd.distribution`).
+
+    Raises:
+      ValueError: under a multi-worker strategy, when this plan's sampler seed
+        is not worker 0's (the workers would draw different batches).
     """
-    return self.sampler.dataset(x, y, start_step=_start_step(start_step, model))
+    strategy = None if model is None else model.distribute_strategy
+    if num_replicas is None:
+      num_replicas = 1 if strategy is None else distribution.num_replicas(strategy)
+    if strategy is not None:
+      distribution.check_same_on_all_workers(strategy, self.sampler.seed, "plan's sampler seed")
+    return self.sampler.dataset(x, y, start_step=_start_step(start_step, model),
+                                num_replicas=num_replicas)
 
   def fit_kwargs(self, model=None, start_step: Optional[int] = None) -> dict:
     """``epochs``, ``steps_per_epoch`` and ``initial_epoch`` for ``model.fit``.
@@ -277,6 +318,10 @@ class PrivacyPlan:
           f"The optimizer's noise_multiplier ({float(sigma)!r}) differs from the plan's "
           f"({expected!r}): the reported epsilon would not describe this training. Build the "
           "optimizer with noise_multiplier=plan.training_noise_multiplier.")
+    if getattr(optimizer, "adaptive_clip", None) is not None:
+      # The count query must leave room in the budget: 2 sigma_b > sigma (raises otherwise).
+      accounting.gradient_noise_multiplier(
+          expected, optimizer.resolved_clipped_count_stddev(self.batch_size))
     if self.sampling == "poisson" and getattr(optimizer, "num_microbatches", None):
       raise ValueError("Poisson-sampled (padded, masked) batches cannot be split into "
                        "microbatches; use num_microbatches=None.")

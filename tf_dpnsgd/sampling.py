@@ -1,6 +1,6 @@
 """Batch samplers that name the dp-accounting event they realise.
 
-This module is long (about 450 lines): the three samplers share one base class (index
+This module is long (about 470 lines): the three samplers share one base class (index
 streams, tags, the ``tf.data`` pipeline), kept in one file with the event each realises.
 
 A privacy claim is only as good as the match between how batches were drawn
@@ -65,6 +65,7 @@ import tensorflow as tf
 from scipy import stats
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import distribution
 from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.ledger import DP_DENOMINATOR_KEY, DP_MASK_KEY
@@ -219,19 +220,20 @@ class Sampler:
         raise ValueError(f"This sampler was built for N = {self.dataset_size} examples, but "
                          f"`{name}` has {n}. Accounting with the wrong N is wrong accounting.")
 
-  def numpy_batches(self, x, y, start_step: int = 0,
-                    num_steps: Optional[int] = None) -> Iterator[tuple]:
+  def numpy_batches(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
+                    num_replicas: int = 1) -> Iterator[tuple]:
     """Yields the batches of steps ``start_step, start_step + 1, ...`` as NumPy structures.
 
     ``x`` and ``y`` are arrays or nested structures of arrays with ``N`` rows.
     Infinite when ``num_steps`` is None (pass ``steps_per_epoch`` to ``fit``).
     Every tag, Poisson's ``dp_denominator`` included, has one (equal) entry per
-    row, so that ``tf.distribute`` can split it with the batch.
+    row, so that ``tf.distribute`` can split it with the batch. ``num_replicas``:
+    see :meth:`dataset`.
     """
     self._check_data(x, y)
-    rows = self._rows_per_element
+    rows = self._padded_rows(num_replicas)
     for step in self._step_range(start_step, num_steps):
-      idx, mask = self._element_indices(step)
+      idx, mask = self._replica_padded(step, rows)
       xb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], x)
       yb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], y)
       tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
@@ -242,7 +244,7 @@ class Sampler:
       yield xb, yb, tags
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
-              prefetch: int = 2) -> tf.data.Dataset:
+              prefetch: int = 2, num_replicas: int = 1) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of the batches from step ``start_step`` on (see :meth:`numpy_batches`).
 
     Every element has a static shape (``max_batch_size`` rows for Poisson),
@@ -250,18 +252,24 @@ class Sampler:
     starts again at ``start_step``: pass ``steps_per_epoch`` to ``fit`` (Keras
     then keeps one iterator across epochs), e.g. via
     :meth:`tf_dpnsgd.plan.PrivacyPlan.fit_kwargs`.
+
+    ``num_replicas`` (``R``): the global batch (the same examples for any
+    ``R``) is padded to a multiple of ``R`` rows with masked rows (index 0,
+    ``dp_mask`` False: exactly zero contribution), so ``tf.distribute`` splits
+    it into equal static shards; a padded uniform/shuffle batch then carries
+    ``dp_mask`` and ``dp_denominator = B`` too.
     """
     self._check_data(x, y)
     self._step_range(start_step, num_steps)  # validates now rather than inside tf.data
     x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
     y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
-    rows = self._rows_per_element
+    rows = self._padded_rows(num_replicas)
 
     def index_stream():
       # Every iteration of the dataset restarts at `start_step` (deterministic), so a peek
       # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
       for step in self._step_range(start_step, num_steps):
-        idx, mask = self._element_indices(step)
+        idx, mask = self._replica_padded(step, rows)
         yield np.int64(step), idx.astype(np.int64), (np.ones(rows, bool) if mask is None
                                                       else mask)
 
@@ -269,7 +277,7 @@ class Sampler:
         index_stream, output_signature=(tf.TensorSpec([], tf.int64),
                                         tf.TensorSpec([rows], tf.int64),
                                         tf.TensorSpec([rows], tf.bool)))
-    with_mask = self.sampling == "poisson"
+    with_mask = self.sampling == "poisson" or rows != self._rows_per_element
     denominator = float(self.denominator) if with_mask else None
 
     kind = ledger_lib.KIND_CODES[self.sampling]
@@ -292,6 +300,19 @@ class Sampler:
   @property
   def _rows_per_element(self) -> int:
     return self.batch_size
+
+  def _padded_rows(self, num_replicas) -> int:
+    return distribution.padded_rows(self._rows_per_element, num_replicas)
+
+  def _replica_padded(self, step: int, rows: int):
+    """:meth:`_element_indices` padded to ``rows`` (padding: index 0, mask False)."""
+    idx, mask = self._element_indices(step)
+    extra = rows - idx.size
+    if extra == 0:
+      return idx, mask
+    mask = np.ones(idx.size, bool) if mask is None else mask
+    return (np.concatenate([idx, np.zeros(extra, idx.dtype)]),
+            np.concatenate([mask, np.zeros(extra, bool)]))
 
   @property
   def fingerprint(self) -> int:

@@ -1,5 +1,9 @@
 """``DPModel`` and ``make_private``: the train step that feeds DP optimizers.
 
+This module is long (about 560 lines): the DP train step, its Keras glue (compile,
+metrics, physical chunks) and the two model classes share one mixin's state and are
+easier to check together.
+
 Keras 3's default ``train_step`` differentiates a reduced loss, so an optimizer
 never sees per-example gradients. ``DPModel`` replaces the train step with the
 DP one, in named phases:
@@ -26,12 +30,14 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import distribution
 from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import DPOptimizerMixin
 from tf_dpnsgd import per_example as per_example_lib
+from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
 
 DP_MASK_KEY = ledger_lib.DP_MASK_KEY  # kept here for backward compatibility
 DP_DENOMINATOR_KEY = ledger_lib.DP_DENOMINATOR_KEY
@@ -76,8 +82,59 @@ def parse_dp_weights(sample_weight):
   return mask, denominator
 
 
+def _share_noise_key(optimizer, strategy) -> None:
+  """Gives every worker worker 0's noise key (never stored; see :mod:`tf_dpnsgd.distribution`).
+
+  Each replica adds the same draw to the all-reduced sum; with independent
+  per-worker keys the applied noise would be the mean of several draws, its
+  standard deviation ``sqrt(workers)`` times too small.
+  """
+  key = getattr(optimizer, "_noise_key", None)
+  if key is None:
+    raise RuntimeError("Under a multi-worker strategy the model must be built before fit "
+                       "(call it on a batch or model.build(input_shape) inside "
+                       "strategy.scope()), so the optimizer's noise key can be shared.")
+  optimizer._noise_key = (distribution.broadcast_int(strategy, key[0]),) + tuple(key[1:])
+
+
 def split_chunks(x, start, size):
   return tf.nest.map_structure(lambda t: t[start:start + size], x)
+
+
+def chunk_rows(i, size, batch):
+  """Row indices (``[size]``) of physical chunk ``i``, and which of them are real rows.
+
+  Every chunk has exactly ``size`` rows, a static shape: indices past the end of
+  the batch repeat its last row and are marked False (the engine masks them, so
+  they contribute exactly zero). A short last slice ``x[i * size:batch]`` has a
+  data-dependent shape, which XLA (``jit_compile=True``) compiles as a
+  ``size``-row slice whose START is clamped back into range: it would count
+  some examples twice, each then contributing twice the sensitivity.
+  """
+  rows = i * size + tf.range(size)
+  return tf.minimum(rows, batch - 1), rows < batch
+
+
+def gather_rows(x, rows):
+  return tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
+
+
+class LastValue(keras.metrics.Metric):
+  """A metric that reports the last value it was given (e.g. the current clip).
+
+  Every replica reports the same value, so replicas are averaged.
+  """
+
+  def __init__(self, name="last_value", dtype="float32"):
+    super().__init__(name=name, dtype=dtype)
+    self._last = self.add_variable(shape=(), initializer="zeros", name="value",
+                                   aggregation="mean")
+
+  def update_state(self, value):
+    self._last.assign(tf.cast(value, self.dtype))
+
+  def result(self):
+    return tf.identity(self._last)
 
 
 class _DPTrainer:
@@ -133,12 +190,29 @@ class _DPTrainer:
 
   # --- compile -------------------------------------------------------------
   def compile(self, optimizer=None, loss=None, loss_weights=None, metrics=None,
-              jit_compile=False, **kwargs):
+              jit_compile=False, loss_scale=None, **kwargs):
     """As ``keras.Model.compile``, but requires a DP optimizer and checks the model.
 
     ``jit_compile`` defaults to False (XLA's gain on the vectorized DP step is
     model dependent; pass True to try it).
+
+    Mixed precision: Keras' dynamic loss scaling (``LossScaleOptimizer``,
+    ``auto_scale_loss``) decides its scale and skips steps from the data, so it
+    is refused; the engines use a FIXED ``loss_scale`` (a power of two; default
+    ``2**7`` when a layer computes in float16, else 1) and unscale before the
+    transform (:mod:`tf_dpnsgd.per_example.loss_scale`, ``docs/mixed_precision.md``).
     """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+      raise ValueError(
+          "DP training does not take a keras.optimizers.LossScaleOptimizer: its dynamic "
+          "scale and skipped steps depend on the data (a privacy leak). Pass the DP "
+          "optimizer itself; a fixed loss scale is applied under mixed_float16 "
+          "(compile(loss_scale=...) to change it).")
+    if kwargs.pop("auto_scale_loss", False):
+      raise ValueError("`auto_scale_loss=True` (Keras' dynamic loss scaling) is not supported "
+                       "by DP training; use the fixed `loss_scale` argument instead.")
+    self._dp_loss_scale = (loss_scale_lib.default_loss_scale(self) if loss_scale is None
+                           else loss_scale_lib.validate_loss_scale(loss_scale))
     optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
     if not isinstance(optimizer, DPOptimizerMixin):
       raise TypeError(
@@ -153,10 +227,19 @@ class _DPTrainer:
       self._dp_norm_tracker = keras.metrics.Mean(name="grad_norm")
       self._dp_clipped_tracker = keras.metrics.Mean(name="clipped_fraction")
       self._dp_nonfinite_tracker = keras.metrics.Sum(name="nonfinite_examples")
+    if not hasattr(self, "_dp_clip_tracker"):
+      self._dp_clip_tracker = LastValue(name="l2_norm_clip")
     super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
-                    jit_compile=jit_compile, **kwargs)
+                    jit_compile=jit_compile, auto_scale_loss=False, **kwargs)
+    if loss_scale is not None:  # restored by compile_from_config
+      self._compile_config.config["loss_scale"] = self._dp_loss_scale
     self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
     self._dp_interaction_guard = interaction.InteractionGuard()  # probe the next batch
+
+  @property
+  def loss_scale(self) -> float:
+    """The fixed loss scale of the DP step (1 unless a layer computes in float16)."""
+    return getattr(self, "_dp_loss_scale", 1.0)
 
   def compile_from_config(self, config):
     """Restores ``compile`` (with its DP optimizer) when a saved model is loaded."""
@@ -174,19 +257,44 @@ class _DPTrainer:
         # Create the optimizer's variables now, not inside the traced (maybe XLA) step.
         with self.distribute_strategy.scope():
           self.optimizer.build(self.trainable_variables)
+      if distribution.is_multi_worker(self.distribute_strategy):
+        _share_noise_key(self.optimizer, self.distribute_strategy)
       interaction.build_train_function(self, super().make_train_function)
       if self.jit_compile:
         ledger_lib.check_batches_on_host(self)
     return self.train_function
 
-  def _contributions(self, x, y, mask, num_microbatches):
+  def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Keras' build from a first batch, fed one replica's shard without the DP tags.
+
+    Under a strategy Keras MEAN-reduces the replicas' first batch (which fails
+    for the boolean ``dp_mask``, for integer tags and across workers) and builds
+    the compiled loss and metrics with the batch's sample weights, which the DP
+    step never passes them (:func:`tf_dpnsgd.ledger.parse_batch_weights`). The
+    shapes and dtypes of one replica's ``(x, y)`` are all the build needs.
+    """
+    strategy = getattr(self, "_distribute_strategy", None)
+    if strategy is not None and data_batch is None and iterator is not None:
+      for _, _, it in iterator:
+        data_batch = tf.nest.map_structure(
+            lambda v: (strategy.experimental_local_results(v)[0]
+                       if isinstance(v, tf.distribute.DistributedValues) else v), next(it))
+        break
+    if data_batch is not None:
+      x, y, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
+      data_batch = (x, y)
+    return super()._maybe_symbolic_build(iterator=None if data_batch is not None else iterator,
+                                         data_batch=data_batch)
+
+  def _contributions(self, x, y, mask, num_microbatches, transform=None):
     """Phase 2: the engine, possibly over physical chunks of the logical batch."""
     engine = self._dp_engine
-    transform = self.optimizer.transform
+    transform = self.optimizer.transform if transform is None else transform
     size = self._dp_physical_batch_size
     if size is None:
-      return engine(self, self._dp_loss_fn, x, y, transform, mask=mask,
-                    num_microbatches=num_microbatches)
+      return loss_scale_lib.scaled_contributions(engine, self, self._dp_loss_fn, x, y,
+                                                 transform, self.loss_scale, mask=mask,
+                                                 num_microbatches=num_microbatches)
     if num_microbatches:
       raise ValueError("physical_batch_size cannot be combined with num_microbatches; "
                        "the microbatch is already the unit of computation.")
@@ -203,10 +311,11 @@ class _DPTrainer:
       return tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
 
     def body(i, acc, ta_losses, ta_norms, ta_factors, ta_preds):
-      start = i * size
-      m = None if mask is None else mask[start:start + size]
-      out = engine(self, self._dp_loss_fn, split_chunks(x, start, size),
-                   split_chunks(y, start, size), transform, mask=m, num_microbatches=None)
+      rows, real = chunk_rows(i, size, batch)  # fixed-size chunks (see chunk_rows)
+      m = real if mask is None else tf.logical_and(real, tf.gather(mask, rows))
+      out = loss_scale_lib.scaled_contributions(
+          engine, self, self._dp_loss_fn, gather_rows(x, rows), gather_rows(y, rows),
+          transform, self.loss_scale, mask=m, num_microbatches=None)
       acc = [a + tf.cast(s, a.dtype) for a, s in zip(acc, out.summed)]
       preds = [ta.write(i, p) for ta, p in zip(ta_preds, tf.nest.flatten(out.y_pred))]
       return (i + 1, acc, ta_losses.write(i, out.losses), ta_norms.write(i, out.norms),
@@ -219,7 +328,7 @@ class _DPTrainer:
         lambda i, *_: i < num_chunks, body, init, parallel_iterations=1)
 
     def concat(ta, shape=(None,)):
-      t = ta.concat()
+      t = ta.concat()[:batch]  # drop the repeated rows of the last chunk
       t.set_shape(shape)
       return t
 
@@ -246,23 +355,46 @@ class _DPTrainer:
     # metrics). Under XLA, which drops assertions, the same checks run on the host
     # before the step (see make_train_function).
     with tf.control_dependencies(self.privacy_ledger.check(tags)):
-      return self._private_step(x, y, mask, denominator, tags)
+      logs = self._private_step(x, y, mask, denominator, tags)
+    if distribution.is_multi_worker(self.distribute_strategy):
+      # Keras reduces the logs of a multi-worker step with strategy.reduce(MEAN, axis=0),
+      # which needs rank >= 1: a [1] log becomes the scalar mean over replicas.
+      logs = tf.nest.map_structure(
+          lambda v: tf.reshape(v, [1]) if tf.is_tensor(v) and v.shape.rank == 0 else v, logs)
+    return logs
 
   def _private_step(self, x, y, mask, denominator, tags):
-    optimizer = self.optimizer
     num_microbatches = self._microbatches()
+    local = denominator is None
+    if local:
+      batch = per_example_lib.vectorized.batch_size_of(x)
+      denominator = tf.cast(num_microbatches or batch, tf.float32)
+    # The optimizer's checks of this step (adaptive clipping: the count noise fits the
+    # budget) guard every op of the step, like the ledger's checks in train_step.
+    with tf.control_dependencies(self.optimizer.step_checks(denominator, local)):
+      return self._checked_private_step(x, y, mask, denominator, local, tags,
+                                        num_microbatches)
+
+  def _checked_private_step(self, x, y, mask, denominator, local, tags, num_microbatches):
+    optimizer = self.optimizer
     variables = self.trainable_variables
     ledger = self.privacy_ledger
     x = tf.nest.map_structure(tf.identity, x)
     step = tf.identity(ledger.step())
-    out = self._contributions(x, y, mask, num_microbatches)
-    batch = per_example_lib.vectorized.batch_size_of(x)
-    local = denominator is None
-    if local:
-      denominator = tf.cast(num_microbatches or batch, tf.float32)
+    # The transform of THIS step, read once: under adaptive clipping Clip(C_t), which
+    # clips, counts the unclipped units and sets this step's noise; C_{t+1} is written
+    # only after the noise is drawn.
+    transform = optimizer.transform
+    out = self._contributions(x, y, mask, num_microbatches, transform)
+    count = None
+    if optimizer.adaptive_clip is not None:
+      count = transforms.centered_unclipped_count(out.norms, transform.l2_norm_clip, mask)
     public_grads, reg_loss = self._public_gradients(variables)
     optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads,
-                                      local_denominator=local, step=step)
+                                      local_denominator=local, step=step, transform=transform,
+                                      centered_unclipped_count=count)
+    # The effective noise multiplier (adaptive clipping: of the gradient and count queries
+    # together, see tf_dpnsgd.accounting.adaptive): what the plan accounts.
     ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
 
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
@@ -293,6 +425,9 @@ class _DPTrainer:
     if isinstance(self.optimizer.transform, transforms.Clip):
       clipped = tf.cast(out.factors < 1.0, tf.float32)
       self._dp_clipped_tracker.update_state(clipped, sample_weight=ok_w)
+      clip_tracker = getattr(self, "_dp_clip_tracker", None)
+      if clip_tracker is not None:  # the clip after this step (= current_l2_norm_clip)
+        clip_tracker.update_state(self.optimizer.current_l2_norm_clip)
 
   def test_step(self, data):
     """Keras' evaluation step, without the training-only DP diagnostics."""
@@ -300,21 +435,23 @@ class _DPTrainer:
     hidden = {m.name for m in self._dp_trackers()}
     return {k: v for k, v in logs.items() if k not in hidden}
 
+  _DP_TRACKER_NAMES = ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker",
+                       "_dp_clip_tracker")
+
   def _dp_trackers(self):
-    return [m for m in (getattr(self, n, None) for n in
-                        ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker"))
+    return [m for m in (getattr(self, n, None) for n in self._DP_TRACKER_NAMES)
             if m is not None]
 
   @property
   def metrics(self):
     metrics = list(super().metrics)
-    extra = [getattr(self, n, None) for n in
-             ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker")]
+    extra = [getattr(self, n, None) for n in self._DP_TRACKER_NAMES]
     metrics += [m for m in extra if m is not None and m not in metrics]
     optimizer = getattr(self, "optimizer", None)
     if not (isinstance(optimizer, DPOptimizerMixin)
             and isinstance(optimizer.transform, transforms.Clip)):
-      metrics = [m for m in metrics if m is not extra[1]]  # clipping stats only for Clip
+      clip_only = (extra[1], extra[3])  # clipping stats and the clip only for Clip
+      metrics = [m for m in metrics if all(m is not c for c in clip_only)]
     return metrics
 
 

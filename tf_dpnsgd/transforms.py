@@ -19,7 +19,15 @@ finite ``||g_i||``           norm < 1 (normalize) resp. <= c (clip)
 masked out (padding)         exactly 0
 ===========================  =====================================================
 
+Quantile-adaptive clipping (:class:`AdaptiveClip`): the clip of each step is
+optimizer state; the step clips with ``Clip(C_t)`` (a tensor read before the
+step, also the sensitivity its noise uses), counts the unclipped units
+(:func:`centered_unclipped_count`) and, after the noise, moves the clip with
+:func:`quantile_clip_update` (see ``docs/adaptive_clipping.md``).
+
 References:
+  Andrew, Thakkar, McMahan, Ramaswamy (NeurIPS 2021), "Differentially Private
+  Learning with Adaptive Clipping", Algorithm 1 (quantile-adaptive clipping).
   Yang, Zhang, Chen, Liu (2022), "Normalized/Clipped SGD with Perturbation for
   Differentially Private Non-Convex Optimization", Algorithm 1 (DP-NSGD:
   ``h_i = 1 / (r + ||g_i||)``) and DP-SGD (``h_i = min(1, c / ||g_i||)``).
@@ -115,6 +123,35 @@ class Normalize:
     return _finite_and_masked(norms, factors, mask)
 
 
+def clip_factors(norms: tf.Tensor, l2_norm_clip, mask: tf.Tensor | None = None) -> tf.Tensor:
+  """DP-SGD's factors ``h_i = min(1, c / ||g_i||)``, 0 for non-finite norms and masked units.
+
+  Args:
+    norms: ``[U]`` per-unit gradient norms.
+    l2_norm_clip: ``c``: a positive float (``inf``: no clipping) or a scalar
+      float32 tensor (the clip of one step of adaptive clipping, read from the
+      optimizer's state before the step).
+    mask: optional ``[U]`` boolean; False units get factor 0.
+
+  Returns:
+    ``[U]`` factors; every ``h_i g_i`` has norm ``<= c`` (the norm is
+    inflated by :data:`NORM_SAFETY_MARGIN` first, so float32 rounding cannot
+    push a contribution above ``c``).
+
+  >>> clip_factors(tf.constant([0., 0.5, 4.]), tf.constant(2.0)).numpy().round(4).tolist()
+  [1.0, 1.0, 0.5]
+  """
+  norms = tf.cast(norms, tf.float32)
+  safe = tf.where(tf.math.is_finite(norms), norms, tf.zeros_like(norms))
+  if not tf.is_tensor(l2_norm_clip) and math.isinf(l2_norm_clip):
+    factors = tf.ones_like(safe)
+  else:
+    clip = tf.cast(l2_norm_clip, tf.float32)
+    inflated = safe * (1.0 + NORM_SAFETY_MARGIN)
+    factors = tf.where(inflated > clip, clip / tf.maximum(inflated, 1e-30), tf.ones_like(safe))
+  return _finite_and_masked(norms, factors, mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class Clip:
   """DP-SGD's per-example clipping ``h_i = min(1, c / ||g_i||)``; sensitivity ``c``.
@@ -122,13 +159,18 @@ class Clip:
   Attributes:
     l2_norm_clip: ``c > 0``; ``float('inf')`` disables clipping (then the
       mechanism is not private unless the noise is also 0: for testing only).
+      A scalar tensor is the clip of ONE step of adaptive clipping
+      (:class:`AdaptiveClip`), read from the optimizer's state at the start of
+      the step; its owner keeps it positive and finite, and the same tensor
+      is then the sensitivity the noise of that step is computed from.
   """
 
   l2_norm_clip: float
 
   def __post_init__(self):
-    object.__setattr__(self, "l2_norm_clip",
-                       _validate_positive("l2_norm_clip", self.l2_norm_clip, allow_inf=True))
+    if not tf.is_tensor(self.l2_norm_clip):
+      object.__setattr__(self, "l2_norm_clip",
+                         _validate_positive("l2_norm_clip", self.l2_norm_clip, allow_inf=True))
 
   @property
   def sensitivity(self) -> float:
@@ -140,16 +182,151 @@ class Clip:
     >>> Clip(1.0).factors(tf.constant([0., 0.5, 4., float("inf")])).numpy().round(4).tolist()
     [1.0, 1.0, 0.25, 0.0]
     """
-    norms = tf.cast(norms, tf.float32)
-    safe = tf.where(tf.math.is_finite(norms), norms, tf.zeros_like(norms))
-    if math.isinf(self.l2_norm_clip):
-      factors = tf.ones_like(safe)
-    else:
-      inflated = safe * (1.0 + NORM_SAFETY_MARGIN)
-      factors = tf.where(inflated > self.l2_norm_clip,
-                         self.l2_norm_clip / tf.maximum(inflated, 1e-30),
-                         tf.ones_like(safe))
-    return _finite_and_masked(norms, factors, mask)
+    return clip_factors(norms, self.l2_norm_clip, mask)
+
+
+# --- quantile-adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021) -----------------
+
+# Post-processing bounds on the adapted clip: the geometric update can drift to 0 or
+# overflow over many steps (e.g. target quantile 0 or 1); clamping the noised result is
+# data independent, so it costs no privacy.
+ADAPTIVE_CLIP_BOUNDS = (1e-30, 1e30)
+
+
+def centered_unclipped_count(norms: tf.Tensor, l2_norm_clip, mask: tf.Tensor | None = None
+                             ) -> tf.Tensor:
+  """``sum_i (1[||g_i|| <= c] - 1/2)`` over the real units: the count query's sum.
+
+  Each real unit adds ``+1/2`` (unclipped) or ``-1/2`` (clipped, or a
+  non-finite norm); masked (padding) units add exactly 0. Adding or removing
+  one unit changes the sum by at most ``1/2``: the count query's sensitivity
+  is 1/2 (replace-one: 1), which is why its noise multiplier is ``2 sigma_b``
+  (tensorflow-privacy's ``QuantileEstimatorQuery`` centers the same way).
+  "Unclipped" uses the same inflated norm as :func:`clip_factors`, so it is
+  exactly the units whose factor is 1.
+
+  Args:
+    norms: ``[U]`` per-unit norms (one per example, or per microbatch).
+    l2_norm_clip: the clip ``c_t`` that clipped this step.
+    mask: optional ``[U]`` boolean of real units.
+
+  Returns:
+    A float32 scalar.
+
+  >>> float(centered_unclipped_count(tf.constant([0.5, 3., float("nan"), 1.]), 2.0))
+  0.0
+  >>> float(centered_unclipped_count(tf.constant([0.5, 0.7, 1.]), 2.0,
+  ...                                mask=tf.constant([True, True, False])))
+  1.0
+  """
+  norms = tf.cast(norms, tf.float32)
+  clip = tf.cast(l2_norm_clip, tf.float32)
+  unclipped = tf.logical_and(tf.math.is_finite(norms),
+                             norms * (1.0 + NORM_SAFETY_MARGIN) <= clip)
+  centered = tf.where(unclipped, 0.5, -0.5)
+  if mask is not None:
+    centered = tf.where(tf.cast(mask, tf.bool), centered, tf.zeros_like(centered))
+  return tf.reduce_sum(centered)
+
+
+def quantile_clip_update(l2_norm_clip, noised_unclipped_fraction, target_unclipped_quantile,
+                         clip_learning_rate):
+  """The geometric clip update ``C_{t+1} = C_t exp(-eta_C (b_t - gamma))``.
+
+  ``b_t`` is the NOISED fraction of unclipped units of step ``t``: the update is
+  post-processing of that noised count and of public values only, so it costs
+  no privacy beyond the count query itself. The result is clamped to
+  :data:`ADAPTIVE_CLIP_BOUNDS` (data independent).
+
+  Args:
+    l2_norm_clip: ``C_t > 0`` (float or scalar tensor).
+    noised_unclipped_fraction: ``b_t = (sum_i 1[||g_i|| <= C_t] + N(0, sigma_b^2)) / m``.
+    target_unclipped_quantile: ``gamma`` in [0, 1].
+    clip_learning_rate: ``eta_C >= 0``.
+
+  Returns:
+    ``C_{t+1}`` as a float32 tensor. Too many unclipped (``b_t > gamma``)
+    shrinks the clip, too few grows it; ``b_t = gamma`` leaves it unchanged.
+
+  References:
+    Andrew, Thakkar, McMahan, Ramaswamy (NeurIPS 2021), "Differentially
+    Private Learning with Adaptive Clipping", Algorithm 1 and the geometric
+    update (Sec. 2.1, ``C <- C exp(-eta_C (b - gamma))``); Sec. 3.1 for the
+    noised ``b``.
+
+  >>> float(quantile_clip_update(1.0, 0.5, 0.5, 0.2))
+  1.0
+  >>> round(float(quantile_clip_update(1.0, 1.0, 0.5, 0.2)), 6)  # exp(-0.1)
+  0.904837
+  """
+  update = tf.exp(-tf.cast(clip_learning_rate, tf.float32)
+                  * (tf.cast(noised_unclipped_fraction, tf.float32)
+                     - tf.cast(target_unclipped_quantile, tf.float32)))
+  low, high = ADAPTIVE_CLIP_BOUNDS
+  return tf.clip_by_value(tf.cast(l2_norm_clip, tf.float32) * update, low, high)
+
+
+def _validate_unit_interval(name: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"`{name}` must be a number in [0, 1]; got {value!r}.") from e
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f"`{name}` must be in [0, 1]; got {value!r}.")
+  return value
+
+
+def _validate_non_negative(name: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"`{name}` must be a finite number >= 0; got {value!r}.") from e
+  if not (math.isfinite(value) and value >= 0):
+    raise ValueError(f"`{name}` must be a finite number >= 0; got {value!r}.")
+  return value
+
+
+# Andrew et al. (2021) use eta_C = 0.2 with the geometric update.
+DEFAULT_CLIP_LEARNING_RATE = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveClip:
+  """The hyperparameters of quantile-adaptive clipping (Andrew et al. 2021, Algorithm 1).
+
+  The clip of step ``t`` is optimizer state; each step clips with it (the
+  transform is ``Clip(C_t)``, whose sensitivity ``C_t`` also sets that step's
+  noise), releases a noised count of unclipped units, then moves the clip with
+  :func:`quantile_clip_update`.
+
+  Attributes:
+    l2_norm_clip: the initial clip ``C_0 > 0`` (finite).
+    target_unclipped_quantile: ``gamma`` in [0, 1], the fraction of units
+      that should be unclipped.
+    clip_learning_rate: ``eta_C >= 0`` (0 keeps the clip fixed but still
+      spends the count query).
+  """
+
+  l2_norm_clip: float
+  target_unclipped_quantile: float
+  clip_learning_rate: float = DEFAULT_CLIP_LEARNING_RATE
+
+  def __post_init__(self):
+    object.__setattr__(self, "l2_norm_clip", _validate_positive("l2_norm_clip",
+                                                                self.l2_norm_clip))
+    object.__setattr__(self, "target_unclipped_quantile", _validate_unit_interval(
+        "target_unclipped_quantile", self.target_unclipped_quantile))
+    object.__setattr__(self, "clip_learning_rate", _validate_non_negative(
+        "clip_learning_rate", self.clip_learning_rate))
+
+  def at(self, l2_norm_clip) -> Clip:
+    """The transform of one step: ``Clip`` at that step's clip ``C_t``."""
+    return Clip(l2_norm_clip)
+
+  def update(self, l2_norm_clip, noised_unclipped_fraction):
+    """``C_{t+1}`` from ``C_t`` and the noised fraction (:func:`quantile_clip_update`)."""
+    return quantile_clip_update(l2_norm_clip, noised_unclipped_fraction,
+                                self.target_unclipped_quantile, self.clip_learning_rate)
 
 
 Transform = Normalize | Clip

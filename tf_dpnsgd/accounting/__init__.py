@@ -16,6 +16,7 @@ Modules (each imports only the ones above it):
 ``rdp``            :func:`rdp_curve` of one composition; the algebra of RDP curves
 ``report``         :class:`PrivacyReport`, :class:`StepAccountant`, :func:`compute_epsilon`
 ``calibration``    :func:`calibrate_noise_multiplier`, :func:`calibrate`
+``adaptive``       adaptive clipping's count query: ``sigma_eff`` <-> ``sigma_grad``
 =================  =====================================================================
 
 The samplings, their neighbouring relations and dp-accounting events (and
@@ -60,9 +61,15 @@ from tf_dpnsgd.accounting.rdp import (RdpCurve, common_orders, composed_rdp, mon
 from tf_dpnsgd.accounting.report import (PrivacyReport, StepAccountant, compute_epsilon,
                                          epsilon_for)
 from tf_dpnsgd.accounting.calibration import calibrate, calibrate_noise_multiplier
+from tf_dpnsgd.accounting.adaptive import (adaptive_clipping_event,
+                                           default_clipped_count_stddev,
+                                           effective_noise_multiplier, gradient_noise_multiplier,
+                                           validate_clipped_count_stddev)
 
 __all__ = [
-    "ACCOUNTANTS", "AccountingError", "AccountingSpec", "BOUNDS", "CONVERSIONS", "CONVERTERS",
+    "ACCOUNTANTS", "AccountingError", "adaptive_clipping_event",
+    "default_clipped_count_stddev", "effective_noise_multiplier", "gradient_noise_multiplier",
+    "validate_clipped_count_stddev", "AccountingSpec", "BOUNDS", "CONVERSIONS", "CONVERTERS",
     "DEFAULT_ORDERS", "NEIGHBORING_RELATIONS", "NeighboringRelation", "PAPER_CONDITIONS",
     "PAPER_CONSTANT", "PAPER_MAX_RHO", "PAPER_MAX_SAMPLING_RATIO", "PaperBoundConditionError",
     "PrivacyReport", "RdpCurve", "SAMPLINGS", "StepAccountant", "UnsupportedAccountingError",

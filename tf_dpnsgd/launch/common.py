@@ -53,7 +53,9 @@ import keras
 import numpy as np
 
 import tf_dpnsgd
+from tf_dpnsgd import distribution
 from tf_dpnsgd import export as export_lib
+from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import schedules
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.records import RunRecord
@@ -61,6 +63,7 @@ from tf_dpnsgd.records import RunRecord
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd")
 SAMPLINGS = ("poisson", "uniform", "shuffle")
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
+ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 _SGD_NOISE_MESSAGE = ("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
                       "--target_epsilon, or choose a DP optimizer.")
 
@@ -85,6 +88,24 @@ def _check_regularizer(d):
 def _check_clip(d):
   if d["optimizer"] in ("dpsgd", "dpadam") and not (d["l2_norm_clip"] or 0) > 0:
     raise ValueError(f"--l2_norm_clip must be > 0 for {d['optimizer']}; got {d['l2_norm_clip']}.")
+
+
+def _check_adaptive_clipping(d):
+  given = [n for n in ADAPTIVE_FLAGS if d[n] is not None]
+  if not given:
+    return
+  if d["optimizer"] not in ("dpsgd", "dpadam"):
+    raise ValueError(f"--{given[0]} (quantile-adaptive clipping) needs a clipping optimizer "
+                     f"(--optimizer=dpsgd or dpadam); got --optimizer={d['optimizer']}.")
+  if d["target_unclipped_quantile"] is None:
+    raise ValueError(f"--{given[0]} needs --target_unclipped_quantile (adaptive clipping).")
+  if not 0 <= d["target_unclipped_quantile"] <= 1:
+    raise ValueError("--target_unclipped_quantile must be in [0, 1]; got "
+                     f"{d['target_unclipped_quantile']}.")
+  if d["clip_learning_rate"] is not None and not d["clip_learning_rate"] >= 0:
+    raise ValueError(f"--clip_learning_rate must be >= 0; got {d['clip_learning_rate']}.")
+  if d["clipped_count_stddev"] is not None and not d["clipped_count_stddev"] >= 0:
+    raise ValueError(f"--clipped_count_stddev must be >= 0; got {d['clipped_count_stddev']}.")
 
 
 def _check_learning_rate(d):
@@ -112,14 +133,30 @@ def _check_batch_sizes(d):
 
 # (flags read, check raising ValueError): run by ExperimentConfig and, at flag parsing, by
 # absl validators (so a bad combination is a one-line flag error, before anything loads).
+STRATEGIES = ("none", "mirrored", "multi_worker", "tpu")
+
+
+def _check_strategy(d):
+  strategy = d.get("distribution_strategy", "none")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"--distribution_strategy must be one of {STRATEGIES}; got {strategy!r}.")
+  if (strategy == "tpu") != bool(d.get("tpu")):
+    raise ValueError("--tpu (the TPU address, e.g. grpc://10.0.0.2:8470 or a TPU name; "
+                     "'local' on a TPU VM) goes with --distribution_strategy=tpu, and only "
+                     "with it.")
+
+
 CHECKS = (
     (("optimizer", "sampling"), _check_enums),
     (("optimizer", "regularizer"), _check_regularizer),
     (("optimizer", "l2_norm_clip"), _check_clip),
+    (("optimizer",) + ("target_unclipped_quantile", "clip_learning_rate",
+                       "clipped_count_stddev"), _check_adaptive_clipping),
     (("learning_rate",), _check_learning_rate),
     (("max_steps",), _check_max_steps),
     (("epochs",), _check_epochs),
     (("batch_size", "physical_batch_size"), _check_batch_sizes),
+    (("distribution_strategy", "tpu"), _check_strategy),
 )
 
 
@@ -164,6 +201,9 @@ class ExperimentConfig:
   learning_rate: float = 0.1
   regularizer: Optional[float] = 0.01
   l2_norm_clip: Optional[float] = 1.0
+  target_unclipped_quantile: Optional[float] = None
+  clip_learning_rate: Optional[float] = None
+  clipped_count_stddev: Optional[float] = None
   noise_multiplier: Optional[float] = None
   target_epsilon: Optional[float] = None
   delta: float = 1e-5
@@ -183,6 +223,8 @@ class ExperimentConfig:
   export_dir: Optional[str] = None
   seed: Optional[int] = None
   verbose: int = 2
+  distribution_strategy: str = "none"
+  tpu: Optional[str] = None
 
   def __post_init__(self):
     if self.optimizer != "sgd":
@@ -203,7 +245,7 @@ class ExperimentConfig:
     """The fields worth recording (no directories; no seed: the report writer refuses
     ``seed`` fields, and --seed only fixes the initialisation)."""
     d = dataclasses.asdict(self)
-    for k in ("model_dir", "export_dir", "seed", "verbose"):
+    for k in ("model_dir", "export_dir", "seed", "verbose", "distribution_strategy", "tpu"):
       d.pop(k)
     return d
 
@@ -228,6 +270,17 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   flags.DEFINE_float("regularizer", d["regularizer"], "DP-NSGD/DP-NAdam regularizer r > 0.", **kw)
   flags.DEFINE_float("l2_norm_clip", d["l2_norm_clip"], "DP-SGD/DP-Adam clipping norm c > 0.",
                      **kw)
+  flags.DEFINE_float("target_unclipped_quantile", d["target_unclipped_quantile"],
+                     "DP-SGD/DP-Adam: quantile-adaptive clipping (Andrew et al. 2021) towards "
+                     "this fraction of unclipped examples, from --l2_norm_clip. None: fixed clip.",
+                     **kw)
+  flags.DEFINE_float("clip_learning_rate", d["clip_learning_rate"],
+                     "Adaptive clipping: eta_C of C <- C exp(-eta_C (b - gamma)) (default 0.2).",
+                     **kw)
+  flags.DEFINE_float("clipped_count_stddev", d["clipped_count_stddev"],
+                     "Adaptive clipping: noise std of the unclipped count (default batch/20); "
+                     "--noise_multiplier / the calibrated sigma is the effective one of both "
+                     "queries.", **kw)
   flags.DEFINE_float("noise_multiplier", d["noise_multiplier"],
                      "Noise std / sensitivity. Exclusive with --target_epsilon.", **kw)
   flags.DEFINE_float("target_epsilon", d["target_epsilon"],
@@ -266,6 +319,12 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
                        "augmentation, dropout). The DP noise and the batch sampler always "
                        "draw their seeds from the OS. None: random.", **kw)
   flags.DEFINE_integer("verbose", d["verbose"], "Keras fit verbosity.", **kw)
+  flags.DEFINE_enum("distribution_strategy", d["distribution_strategy"], STRATEGIES,
+                    "tf.distribute strategy: none | mirrored (this machine's GPUs) | "
+                    "multi_worker (TF_CONFIG; see docs/distributed.md) | tpu (with --tpu). "
+                    "Only the chief writes reports, checkpoints and exports.", **kw)
+  flags.DEFINE_string("tpu", d["tpu"], "TPU address or name for --distribution_strategy=tpu.",
+                      **kw)
 
   def validator(names, check):
     def checker(values):
@@ -338,11 +397,31 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
   private = {"noise_multiplier": noise_multiplier, **common}
   if cfg.optimizer == "dpnsgd":
     return tf_dpnsgd.DPNSGD(regularizer=cfg.regularizer, momentum=cfg.momentum, **private)
-  if cfg.optimizer == "dpsgd":
-    return tf_dpnsgd.DPSGD(l2_norm_clip=cfg.l2_norm_clip, momentum=cfg.momentum, **private)
-  if cfg.optimizer == "dpadam":
-    return tf_dpnsgd.DPAdam(l2_norm_clip=cfg.l2_norm_clip, **private)
+  adaptive = {n: getattr(cfg, n) for n in ADAPTIVE_FLAGS}
+  try:
+    if cfg.optimizer == "dpsgd":
+      return tf_dpnsgd.DPSGD(l2_norm_clip=cfg.l2_norm_clip, momentum=cfg.momentum, **private,
+                             **adaptive)
+    if cfg.optimizer == "dpadam":
+      return tf_dpnsgd.DPAdam(l2_norm_clip=cfg.l2_norm_clip, **private, **adaptive)
+  except ValueError as e:  # e.g. --clipped_count_stddev too small for the noise
+    raise LaunchError(str(e)) from None
   return tf_dpnsgd.DPNAdam(regularizer=cfg.regularizer, **private)
+
+
+def make_strategy(cfg: ExperimentConfig):
+  """The ``tf.distribute`` strategy of ``--distribution_strategy`` (see docs/distributed.md)."""
+  import tensorflow as tf  # local: keep module import light
+  if cfg.distribution_strategy == "mirrored":
+    return tf.distribute.MirroredStrategy()
+  if cfg.distribution_strategy == "multi_worker":
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  if cfg.distribution_strategy == "tpu":
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=cfg.tpu)
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+  return tf.distribute.get_strategy()
 
 
 def make_plan(cfg: ExperimentConfig, dataset_size: int,
@@ -495,7 +574,13 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   if cfg.export_dir and os.path.exists(cfg.export_dir):
     raise FileExistsError(f"--export_dir={cfg.export_dir} exists; choose a new one (an export "
                           "is never written over another). Checked before training.")
-  plan = make_plan(cfg, n)  # a fresh OS sampler seed, in every run and every resume
+  strategy = make_strategy(cfg)
+  chief = distribution.is_chief(strategy)
+  # A fresh OS sampler seed in every run and every resume; under several workers worker
+  # 0's, shared, so that every worker draws the same batches.
+  sampler_seed = (distribution.broadcast_int(strategy, noise_lib.random_seed())
+                  if distribution.is_multi_worker(strategy) else None)
+  plan = make_plan(cfg, n, sampler_seed=sampler_seed)
   if cfg.seed is not None:  # public: initialisation and data order only
     keras.utils.set_random_seed(cfg.seed)
   planned_steps = plan.num_steps if plan else math.floor(cfg.epochs * n / cfg.batch_size)
@@ -508,14 +593,18 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     logging.info("Privacy plan: %s; noise_multiplier=%.4f for %d planned steps.",
                  json.dumps(public_plan(plan), sort_keys=True), sigma, planned_steps)
 
-  base = build_model()
-  model = (tf_dpnsgd.make_private(base, per_example=cfg.per_example,
-                                  physical_batch_size=cfg.physical_batch_size)
-           if plan else base)
-  optimizer = make_optimizer(cfg, sigma, planned_steps)
-  model.compile(optimizer=optimizer, loss=loss, metrics=list(metrics))
+  with strategy.scope():
+    base = build_model()
+    model = (tf_dpnsgd.make_private(base, per_example=cfg.per_example,
+                                    physical_batch_size=cfg.physical_batch_size)
+             if plan else base)
+    optimizer = make_optimizer(cfg, sigma, planned_steps)
+    model.compile(optimizer=optimizer, loss=loss, metrics=list(metrics))
   if plan:
-    plan.check_optimizer(optimizer)
+    try:
+      plan.check_optimizer(optimizer)
+    except ValueError as e:  # e.g. adaptive clipping's count noise too small for the batch
+      raise LaunchError(str(e)) from None
 
   history, ckpt, hist_path = {}, None, None
   start_step = 0
@@ -524,7 +613,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     ckpt = os.path.join(cfg.model_dir, "checkpoint.weights.h5")
     hist_path = os.path.join(cfg.model_dir, "history.json")
     if os.path.exists(ckpt):
-      model.optimizer.build(model.trainable_variables)
+      with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
       model.load_weights(ckpt)  # restores the privacy ledger with the weights
       start_step = steps_of(model)
       if os.path.exists(hist_path):
@@ -532,11 +622,14 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
           history = json.load(f)
       logging.info("Resumed from %s at step %d.", ckpt, start_step)
   _check_resume_point(plan, start_step)
+  if not chief:  # only the chief writes (checkpoints, history, TensorBoard, reports, export)
+    ckpt = hist_path = None
 
   callbacks = []
-  tb_dir = os.path.join(cfg.model_dir, "tensorboard") if cfg.model_dir else None
+  tb_dir = os.path.join(cfg.model_dir, "tensorboard") if cfg.model_dir and chief else None
   if plan:
-    state = os.path.join(cfg.model_dir, "privacy_state.json") if cfg.model_dir else None
+    state = (os.path.join(cfg.model_dir, "privacy_state.json") if cfg.model_dir and chief
+             else None)
     callbacks += plan.callbacks(log_dir=tb_dir, state_path=state)
   callbacks.append(_EpochRecorder(hist_path, history, print_fn))
   if cfg.max_steps:
@@ -578,10 +671,10 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     record = RunRecord.from_privacy_report(plan.report(model), noise_multiplier=sigma, **run)
   else:  # no epsilon at all (JSON has no inf), and "private": false
     record = RunRecord.non_private(steps=steps, dataset_size=n, **run)
-  if cfg.model_dir:
+  if cfg.model_dir and chief:
     export_lib.write_privacy_report(os.path.join(cfg.model_dir, "privacy_report.json"),
                                     **record.to_dict())
-  if cfg.export_dir:
+  if cfg.export_dir and chief:
     export_fn(base, cfg.export_dir)
     export_lib.write_privacy_report(os.path.join(cfg.export_dir, "privacy_report.json"),
                                     **record.to_dict())
