@@ -74,6 +74,7 @@ def _slug(text: str) -> str:
 
 def _axis_label(name: Optional[str]) -> str:
   return {"regularizer": "regularizer r", "l2_norm_clip": "clip c",
+          "target_unclipped_quantile": "target unclipped quantile",
           "effective_lr": "learning rate x c", "learning_rate": "learning rate"}.get(
               name, name or "")
 

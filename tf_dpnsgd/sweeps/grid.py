@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 SHORT_NAMES = {name: f"tf_dpnsgd.launch.{name}" for name in ("quickstart", "mnist", "cifar10",
                                                               "sst2")}
-X_CANDIDATES = ("regularizer", "l2_norm_clip")
+X_CANDIDATES = ("regularizer", "l2_norm_clip", "target_unclipped_quantile")
 Y_CANDIDATES = ("learning_rate", "effective_lr")
 PANEL_AXIS = "target_epsilon"
 VIRTUAL_AXES = ("effective_lr",)

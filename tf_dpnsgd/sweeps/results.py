@@ -75,7 +75,8 @@ def cell_result(opts: SweepOptions, cell: Cell) -> dict:
       "noise_multiplier": record.noise_multiplier, "steps": record.steps,
       "seconds": seconds,
   })
-  for k in ("optimizer", "learning_rate", "regularizer", "l2_norm_clip", "batch_size", "epochs"):
+  for k in ("optimizer", "learning_rate", "regularizer", "l2_norm_clip",
+            "target_unclipped_quantile", "clip_learning_rate", "batch_size", "epochs"):
     row.setdefault(k, record.hyperparameters.get(k))
   return row
 
