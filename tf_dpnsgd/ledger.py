@@ -231,8 +231,9 @@ def check_batches_on_host(model) -> None:
   XLA (``jit_compile=True``) compiles assertions away, so the in-step checks of
   :meth:`PrivacyLedger.check` would silently vanish. The wrapper takes the
   ``steps_per_execution`` batches of a call from the iterator, checks each one
-  in a separate (non-XLA) function that raises on a mismatch, and only then
-  runs the compiled step on them.
+  in a separate (non-XLA) function that raises on a mismatch, together with
+  the optimizer's own ``step_checks`` for that batch (adaptive clipping's
+  count noise), and only then runs the compiled step on them.
   """
   ledger = ledger_of(model)
   inner = model.train_function
@@ -241,9 +242,18 @@ def check_batches_on_host(model) -> None:
   @tf.function(jit_compile=False, reduce_retracing=True)
   def check(data, offset):
     def replica_check(data):
-      _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-      _, _, tags = parse_batch_weights(sample_weight)
-      with tf.control_dependencies(ledger.check(tags, offset)):
+      x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+      _, denominator, tags = parse_batch_weights(sample_weight)
+      checks = list(ledger.check(tags, offset))
+      step_checks = getattr(model.optimizer, "step_checks", None)
+      if step_checks is not None:  # e.g. adaptive clipping's 2 sigma_b > sigma for this batch
+        local = denominator is None
+        if local:
+          microbatches = getattr(model, "num_microbatches", None)
+          denominator = (microbatches if microbatches
+                         else tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0])
+        checks += list(step_checks(denominator, local_denominator=local))
+      with tf.control_dependencies(checks):
         return tf.constant(True)
     return strategy.run(replica_check, args=(data,))
 

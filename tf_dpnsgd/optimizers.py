@@ -425,8 +425,10 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
 
     The train step creates all its ops under these control dependencies, so a
     refused step changes no weight, clip or ledger entry. A violation known
-    while tracing raises ``ValueError`` at once; under XLA, which drops
-    assertions, the gradient noise of such a step is NaN (nothing is released).
+    while tracing raises ``ValueError`` at once. XLA drops assertions, so under
+    ``jit_compile`` the same checks run on the host before each step
+    (:func:`tf_dpnsgd.ledger.check_batches_on_host`); were they bypassed, the
+    gradient noise of such a step would be NaN (nothing is released).
     """
     if self.adaptive_clip is None or self.noise_multiplier == 0 \
         or self._clipped_count_stddev is not None:
