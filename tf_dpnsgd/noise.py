@@ -4,7 +4,9 @@ The noise for step ``t`` is a pure function of ``(key, t)`` (stateless
 Philox-based ``tf.random.stateless_normal``) where ``t`` is the model's
 privacy-ledger step (:mod:`tf_dpnsgd.ledger`), saved with the model's weights:
 a resumed run, a recompile or a new optimizer continues the stream and never
-repeats a draw, and two runs with the same user seed draw identical noise.
+repeats a draw, and two runs with the same user seed draw identical noise when both
+run with the same ``jit_compile`` setting (XLA's normal sampler maps the same key to
+different, equally N(0, 1) numbers: tests/test_xla.py).
 
 Formal guarantee: given ``summed = sum_i h_i g_i`` where every contribution has
 L2 norm <= ``sensitivity``, ``add_gaussian_noise`` returns ``summed + N(0, s^2 I)``
