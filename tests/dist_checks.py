@@ -21,6 +21,8 @@ def assert_same_training(single: dict, distributed: dict) -> None:
       np.testing.assert_allclose(distributed[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
       moved = max(moved, float(np.abs(np.asarray(single[k], np.float64)).max()))
     assert moved > 1e-3  # the weights are not trivially zero
+    np.testing.assert_allclose(float(np.ravel(distributed[f"{s}_data_eval"])[0]),
+                               float(np.ravel(single[f"{s}_data_eval"])[0]), rtol=1e-5)
 
 
 def assert_one_draw_per_step(distributed: dict) -> None:

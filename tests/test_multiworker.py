@@ -86,3 +86,34 @@ def test_two_workers_add_one_noise_draw_per_step(results):
   for key in workers[0]:
     if key.endswith("_noise_diff"):  # both workers applied the same (common) noise
       np.testing.assert_array_equal(workers[0][key], workers[1][key])
+
+
+def test_launcher_runs_on_two_workers_and_only_the_chief_writes(tmp_path):
+  """`--distribution_strategy=multi_worker` end to end through a launcher (quickstart)."""
+  ports = [_free_port(), _free_port()]
+  cluster = {"worker": [f"localhost:{p}" for p in ports]}
+  base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  commands = []
+  for i in range(2):
+    env = dict(base, TF_CONFIG=json.dumps({"cluster": cluster,
+                                           "task": {"type": "worker", "index": i}}))
+    commands.append(([sys.executable, "-m", "tf_dpnsgd.launch.quickstart",
+                      "--distribution_strategy=multi_worker", "--epochs=1",
+                      f"--model_dir={tmp_path / f'model{i}'}",
+                      f"--export_dir={tmp_path / f'export{i}'}"], env))
+  try:
+    codes, outputs = _run_all(commands, TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the 2-worker launcher did not finish within {TIMEOUT_S} s")
+  for code, out in zip(codes, outputs):
+    assert code == 0, out[-4000:]
+  finals = [[l for l in out.splitlines() if l.startswith("final test accuracy")]
+            for out in outputs]
+  assert finals[0] and finals[0] == finals[1]  # one model: same accuracy, epsilon, steps
+  with open(tmp_path / "model0" / "privacy_report.json") as f:
+    report = json.load(f)
+  assert report["steps"] > 0 and report["epsilon"] > 0
+  assert os.path.isfile(tmp_path / "export0" / "saved_model.pb")
+  assert not os.path.exists(tmp_path / "model1" / "privacy_report.json")
+  assert not os.path.exists(tmp_path / "export1")
+  assert "only the chief worker writes" in outputs[1]

@@ -356,12 +356,16 @@ class _DPTrainer:
     # before the step (see make_train_function).
     with tf.control_dependencies(self.privacy_ledger.check(tags)):
       logs = self._private_step(x, y, mask, denominator, tags)
-    if distribution.is_multi_worker(self.distribute_strategy):
-      # Keras reduces the logs of a multi-worker step with strategy.reduce(MEAN, axis=0),
-      # which needs rank >= 1: a [1] log becomes the scalar mean over replicas.
-      logs = tf.nest.map_structure(
-          lambda v: tf.reshape(v, [1]) if tf.is_tensor(v) and v.shape.rank == 0 else v, logs)
-    return logs
+    return self._multi_worker_logs(logs)
+
+  def _multi_worker_logs(self, logs):
+    """Keras reduces the logs of a multi-worker step (train or test) with
+    strategy.reduce(MEAN, axis=0), which needs rank >= 1: a [1] log becomes the
+    scalar mean over replicas. Elsewhere the logs pass unchanged."""
+    if not distribution.is_multi_worker(self.distribute_strategy):
+      return logs
+    return tf.nest.map_structure(
+        lambda v: tf.reshape(v, [1]) if tf.is_tensor(v) and v.shape.rank == 0 else v, logs)
 
   def _private_step(self, x, y, mask, denominator, tags):
     num_microbatches = self._microbatches()
@@ -433,7 +437,7 @@ class _DPTrainer:
     """Keras' evaluation step, without the training-only DP diagnostics."""
     logs = super().test_step(data)
     hidden = {m.name for m in self._dp_trackers()}
-    return {k: v for k, v in logs.items() if k not in hidden}
+    return self._multi_worker_logs({k: v for k, v in logs.items() if k not in hidden})
 
   _DP_TRACKER_NAMES = ("_dp_norm_tracker", "_dp_clipped_tracker", "_dp_nonfinite_tracker",
                        "_dp_clip_tracker")

@@ -20,6 +20,8 @@ Any flag of the experiment launchers applies (e.g. --optimizer=dpsgd
 
 from __future__ import annotations
 
+import os
+
 from absl import app
 from absl import flags
 import keras
@@ -72,10 +74,14 @@ def main(argv):
           "accountant)")
   else:
     print(f"final test accuracy {acc:.4f} (non-private)")
-  if cfg.model_dir:
-    print(f"privacy report: {cfg.model_dir}/privacy_report.json")
-  if cfg.export_dir:
+  # Under --distribution_strategy=multi_worker only the chief writes files.
+  report_path = os.path.join(cfg.model_dir, "privacy_report.json") if cfg.model_dir else None
+  if report_path and os.path.exists(report_path):
+    print(f"privacy report: {report_path}")
+  if cfg.export_dir and os.path.exists(cfg.export_dir):
     print(f"SavedModel: {cfg.export_dir}")
+  if (report_path or cfg.export_dir) and not (report_path and os.path.exists(report_path)):
+    print("no files written by this process: only the chief worker writes reports and exports")
 
 
 if __name__ == "__main__":
