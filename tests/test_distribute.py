@@ -6,6 +6,7 @@ all-reduced sum), so with the same seed the weights match. The multi-worker
 twin of these checks is tests/test_multiworker.py.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import dist_checks
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
+    import json, os, sys
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -29,7 +30,8 @@ SCRIPT = textwrap.dedent("""
       keras.utils.set_random_seed(0)
       inp = keras.Input((5,)); m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
       m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.5, l2_norm_clip=0.3,
-                                          noise_multiplier=float(sys.argv[1]), seed=1),
+                                          noise_multiplier=float(sys.argv[1]), seed=1,
+                                          **json.loads(sys.argv[2])),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
       return m
     single = build(); single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -39,21 +41,30 @@ SCRIPT = textwrap.dedent("""
     multi.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), multi.get_weights()))
     moved = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), build().get_weights()))
-    print("RESULT", strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps)
+    clips = [float(getattr(m.optimizer, "current_l2_norm_clip", 0.3)) for m in (single, multi)]
+    print("RESULT", strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps, *clips)
 """)
 
 
-@pytest.mark.parametrize("noise", ["0.0", "2.0"])
-def test_mirrored_strategy_matches_single_device(noise):
-  out = subprocess.run([sys.executable, "-c", SCRIPT, noise], capture_output=True, text=True,
-                       timeout=300)
+def run_mirrored(noise: float, **optimizer_kwargs) -> dict:
+  """Runs SCRIPT (DPSGD on 1 device vs MirroredStrategy on 2; extra DPSGD kwargs) and
+  returns its RESULT line: replicas, max weight difference, how far training moved the
+  weights, ledger steps, and the final clip of the single and the mirrored run."""
+  out = subprocess.run([sys.executable, "-c", SCRIPT, str(noise), json.dumps(optimizer_kwargs)],
+                       capture_output=True, text=True, timeout=300)
   line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
   assert line, out.stderr[-3000:]
-  _, replicas, diff, moved, draws = line[0].split()
-  assert int(replicas) == 2
-  assert float(moved) > 1e-3  # training changed the weights
-  assert float(diff) < 1e-6  # ... identically on 1 and 2 replicas
-  assert int(draws) == 2  # one noise draw per logical batch
+  keys = ("replicas", "diff", "moved", "steps", "clip_single", "clip_multi")
+  return {k: float(v) for k, v in zip(keys, line[0].split()[1:])}
+
+
+@pytest.mark.parametrize("noise", [0.0, 2.0])
+def test_mirrored_strategy_matches_single_device(noise):
+  r = run_mirrored(noise)
+  assert r["replicas"] == 2
+  assert r["moved"] > 1e-3  # training changed the weights
+  assert r["diff"] < 1e-6  # ... identically on 1 and 2 replicas
+  assert r["steps"] == 2  # one noise draw per logical batch
 
 
 def test_mirrored_every_sampling_matches_single_process_and_draws_once(tmp_path):

@@ -50,17 +50,25 @@ def _run_all(commands, timeout):
   return [p.returncode for p in procs], outputs
 
 
+def _base_env() -> dict:
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env.pop("TF_CONFIG", None)
+  return env
+
+
+def _worker_envs(n: int = 2) -> list:
+  """One environment per worker of an n-worker localhost cluster (free ports)."""
+  cluster = {"worker": [f"localhost:{_free_port()}" for _ in range(n)]}
+  return [dict(_base_env(), TF_CONFIG=json.dumps({"cluster": cluster,
+                                                  "task": {"type": "worker", "index": i}}))
+          for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multiworker")
-  ports = [_free_port(), _free_port()]
-  cluster = {"worker": [f"localhost:{p}" for p in ports]}
-  base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  base.pop("TF_CONFIG", None)
-  commands = [([sys.executable, SCRIPT, "single", str(tmp / "single.npz")], base)]
-  for i in range(2):
-    env = dict(base, TF_CONFIG=json.dumps({"cluster": cluster,
-                                           "task": {"type": "worker", "index": i}}))
+  commands = [([sys.executable, SCRIPT, "single", str(tmp / "single.npz")], _base_env())]
+  for i, env in enumerate(_worker_envs()):
     commands.append(([sys.executable, SCRIPT, "worker", str(tmp / f"worker{i}.npz")], env))
   try:
     codes, outputs = _run_all(commands, TIMEOUT_S)
@@ -90,13 +98,8 @@ def test_two_workers_add_one_noise_draw_per_step(results):
 
 def test_launcher_runs_on_two_workers_and_only_the_chief_writes(tmp_path):
   """`--distribution_strategy=multi_worker` end to end through a launcher (quickstart)."""
-  ports = [_free_port(), _free_port()]
-  cluster = {"worker": [f"localhost:{p}" for p in ports]}
-  base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   commands = []
-  for i in range(2):
-    env = dict(base, TF_CONFIG=json.dumps({"cluster": cluster,
-                                           "task": {"type": "worker", "index": i}}))
+  for i, env in enumerate(_worker_envs()):
     commands.append(([sys.executable, "-m", "tf_dpnsgd.launch.quickstart",
                       "--distribution_strategy=multi_worker", "--epochs=1",
                       f"--model_dir={tmp_path / f'model{i}'}",
