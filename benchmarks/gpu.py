@@ -178,12 +178,21 @@ def run_config(name, xla, precision, smoke, steps, warmup):
     row["dp_error"] = classify(exc)
 
   def step(model):
-    tf.config.experimental.reset_memory_stats(device)
+    # The allocator statistics exist on GPU; on CPU some allocators (e.g. under XLA)
+    # keep none, and then the peak is "n/a" (the CPU rows also report the process RSS).
+    try:
+      tf.config.experimental.reset_memory_stats(device)
+    except ValueError:
+      pass
     start = time.perf_counter()
     logs = model.train_on_batch(x, y, return_dict=True)
     float(logs["loss"])  # wait for the step
     elapsed = time.perf_counter() - start
-    return elapsed, tf.config.experimental.get_memory_info(device)["peak"]
+    try:
+      peak = tf.config.experimental.get_memory_info(device)["peak"]
+    except ValueError:
+      peak = None
+    return elapsed, peak
 
   times = {k: [] for k in models}
   peaks = {k: [] for k in models}
@@ -200,7 +209,8 @@ def run_config(name, xla, precision, smoke, steps, warmup):
         peaks[key].append(p)
   for key in models:
     row[f"{key}_ms"] = 1000 * statistics.median(times[key])
-    row[f"{key}_peak_mb"] = max(peaks[key]) / 2**20
+    known = [p for p in peaks[key] if p is not None]
+    row[f"{key}_peak_mb"] = max(known) / 2**20 if known else None
   row["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   return row
 
@@ -341,7 +351,8 @@ def table_rows(rows):
     rss = fmt(r.get("rss_mb"), 0) if r.get("device") == "CPU" else ""
     lines.append(f"| {r['model']} | {r['batch']} | {'on' if r['xla'] else 'off'} | "
                  f"{r['policy']} | {r['engine']} | {plain} | {dp} | {ratio} | "
-                 f"{fmt(r.get('plain_peak_mb'), 0)} | {fmt(r.get('dp_peak_mb'), 0)} | {rss} | |")
+                 f"{fmt(r.get('plain_peak_mb'), 0) or 'n/a'} | {fmt(r.get('dp_peak_mb'), 0) or 'n/a'} | "
+                 f"{rss} | |")
   return lines, errors
 
 
