@@ -50,6 +50,17 @@ def _run_all(commands, timeout):
   return [p.returncode for p in procs], outputs
 
 
+def _run_cluster(commands, what: str) -> list:
+  """Runs ``commands`` together within TIMEOUT_S; fails the test unless all exit 0."""
+  try:
+    codes, outputs = _run_all(commands, TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{what} did not finish within {TIMEOUT_S} s")
+  for code, out in zip(codes, outputs):
+    assert code == 0, out[-4000:]
+  return outputs
+
+
 def _base_env() -> dict:
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("TF_CONFIG", None)
@@ -70,12 +81,7 @@ def results(tmp_path_factory):
   commands = [([sys.executable, SCRIPT, "single", str(tmp / "single.npz")], _base_env())]
   for i, env in enumerate(_worker_envs()):
     commands.append(([sys.executable, SCRIPT, "worker", str(tmp / f"worker{i}.npz")], env))
-  try:
-    codes, outputs = _run_all(commands, TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"the 2-worker cluster did not finish within {TIMEOUT_S} s")
-  for code, out in zip(codes, outputs):
-    assert code == 0, out[-4000:]
+  _run_cluster(commands, "the 2-worker cluster")
   load = lambda name: dict(np.load(tmp / name))  # noqa: E731
   return load("single.npz"), [load("worker0.npz"), load("worker1.npz")]
 
@@ -104,12 +110,7 @@ def test_launcher_runs_on_two_workers_and_only_the_chief_writes(tmp_path):
                       "--distribution_strategy=multi_worker", "--epochs=1",
                       f"--model_dir={tmp_path / f'model{i}'}",
                       f"--export_dir={tmp_path / f'export{i}'}"], env))
-  try:
-    codes, outputs = _run_all(commands, TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"the 2-worker launcher did not finish within {TIMEOUT_S} s")
-  for code, out in zip(codes, outputs):
-    assert code == 0, out[-4000:]
+  outputs = _run_cluster(commands, "the 2-worker launcher")
   finals = [[l for l in out.splitlines() if l.startswith("final test accuracy")]
             for out in outputs]
   assert finals[0] and finals[0] == finals[1]  # one model: same accuracy, epsilon, steps
