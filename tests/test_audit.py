@@ -272,7 +272,19 @@ class UnclippedDPSGD(tf_dpnsgd.DPSGD):
     self.transform = _ClipThatDoesNotClip(self.l2_norm_clip)
 
 
+class StaleClipNoiseAdaptiveDPSGD(tf_dpnsgd.DPSGD):
+  """Broken adaptive clipping: clips at the adapted clip C_t but scales the noise by the
+  initial clip C_0 (the guarantee "the noise of step t uses the clip of step t" broken)."""
+
+  def privatize(self, summed, denominator, local_denominator=False, step=None, transform=None):
+    return super().privatize(summed, denominator, local_denominator, step,
+                             transform=transforms.Clip(self.l2_norm_clip))
+
+
 HARNESS = dict(n=1000, batch=150, steps=200, sigma=4.0, m=1000, lr=0.5, delta=1e-5)
+# Adaptive clipping in the harness: gamma 0.9 with the 100-norm gradient canaries grows the
+# clip from 1 past the canaries' norm within a few dozen steps.
+ADAPTIVE = dict(target_unclipped_quantile=0.9)
 _RUNS = {}
 
 
@@ -287,13 +299,16 @@ def harness_run(name):
         "dpsgd_tenfold_less_noise": (TenfoldLessNoiseDPSGD, h["sigma"]),
         "dpnsgd_tenfold_less_noise": (TenfoldLessNoiseDPNSGD, h["sigma"]),
         "dpsgd_unclipped": (UnclippedDPSGD, h["sigma"]),
+        "dpsgd_adaptive_planned": (tf_dpnsgd.DPSGD, h["sigma"]),
+        "dpsgd_adaptive_stale_clip_noise": (StaleClipNoiseAdaptiveDPSGD, h["sigma"]),
     }[name]
+    adaptive = ADAPTIVE if "adaptive" in name else {}
     if issubclass(optimizer, tf_dpnsgd.DPNSGD):
       make = lambda s: optimizer(learning_rate=h["lr"], regularizer=0.01, noise_multiplier=s,
                                  seed=1)
     else:
       make = lambda s: optimizer(learning_rate=h["lr"], l2_norm_clip=1.0, noise_multiplier=s,
-                                 seed=1)
+                                 seed=1, **adaptive)
     keras.utils.set_random_seed(0)
     x, y = _toy(h["n"], d=8)
     _RUNS[name] = audit.run_canary_audit(
@@ -320,7 +335,7 @@ def test_harness_a_no_noise_gives_a_large_lower_bound():
   assert report.to_dict()["epsilon_claimed"] is None
 
 
-@pytest.mark.parametrize("name", ["dpsgd_planned", "dpnsgd_planned"])
+@pytest.mark.parametrize("name", ["dpsgd_planned", "dpnsgd_planned", "dpsgd_adaptive_planned"])
 def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
   report = harness_run(name)
   assert report.epsilon_claimed == pytest.approx(_claimed_by_accountant(report))
@@ -329,7 +344,7 @@ def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
 
 
 @pytest.mark.parametrize("name", ["dpsgd_tenfold_less_noise", "dpnsgd_tenfold_less_noise",
-                                  "dpsgd_unclipped"])
+                                  "dpsgd_unclipped", "dpsgd_adaptive_stale_clip_noise"])
 def test_harness_c_a_broken_mechanism_is_caught(name):
   report = harness_run(name)
   # The package's own report is fooled: the ledger says the plan's noise multiplier.
@@ -398,6 +413,27 @@ def test_launcher_writes_report_and_figure(tmp_path):
   assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
   assert (out / "audit_scores.png").stat().st_size > 0
   assert "audit lower bound" in proc.stdout
+
+
+def test_launcher_audits_adaptive_clipping(tmp_path):
+  out = tmp_path / "audit"
+  proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
+                  "--epochs=2", "--width=8", "--target_epsilon=8", f"--output_dir={out}",
+                  "--audit_seed=0", "--optimizer=dpsgd", "--target_unclipped_quantile=0.5",
+                  "--clip_learning_rate=0.3"], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "audit_report.json").read_text())
+  # The calibrated (effective) multiplier covers gradient and count query: same epsilon.
+  assert report["epsilon_claimed"] == pytest.approx(8.0, abs=0.05)
+  assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+
+
+def test_launcher_refuses_adaptive_clipping_without_a_clip(tmp_path):
+  proc = _launch(["--dataset=digits", "--target_epsilon=2", "--optimizer=dpnsgd",
+                  "--target_unclipped_quantile=0.5"], tmp_path)
+  assert proc.returncode == 1
+  assert "needs --optimizer=dpsgd or dpadam" in proc.stderr
+  assert "Traceback" not in proc.stderr
 
 
 def test_launcher_flag_errors_are_one_line(tmp_path):

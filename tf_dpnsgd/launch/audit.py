@@ -65,6 +65,14 @@ flags.DEFINE_float("learning_rate", 1.0, "Learning rate.")
 flags.DEFINE_float("regularizer", 0.01, "DP-NSGD/DP-NAdam regularizer r > 0.")
 flags.DEFINE_float("l2_norm_clip", 1.0, "DP-SGD/DP-Adam clipping norm c > 0.")
 flags.DEFINE_float("momentum", 0.0, "SGD momentum (dpnsgd/dpsgd).")
+flags.DEFINE_float("target_unclipped_quantile", None,
+                   "dpsgd/dpadam: audit quantile-adaptive clipping (Andrew et al. 2021) with "
+                   "this target quantile, starting from --l2_norm_clip; the claimed epsilon "
+                   "covers the gradient and the count query (docs/adaptive_clipping.md).")
+flags.DEFINE_float("clip_learning_rate", None, "Adaptive clipping: clip learning rate "
+                   "(default 0.2).")
+flags.DEFINE_float("clipped_count_stddev", None, "Adaptive clipping: noise std of the "
+                   "unclipped count (default batch/20).")
 flags.DEFINE_float("noise_multiplier", None,
                    "Noise std / sensitivity (0: no noise, no claim). Exclusive with "
                    "--target_epsilon.")
@@ -162,20 +170,30 @@ def mlp(input_shape, num_classes=10, width=128):
   return keras.Model(inputs, keras.layers.Dense(num_classes, name="logits")(h), name="mlp")
 
 
-def optimizer_factory(name, learning_rate, regularizer, l2_norm_clip, momentum=0.0):
-  """``sigma -> optimizer`` (noise seed from the OS, never fixed here)."""
+def optimizer_factory(name, learning_rate, regularizer, l2_norm_clip, momentum=0.0,
+                      **adaptive):
+  """``sigma -> optimizer`` (noise seed from the OS, never fixed here).
+
+  ``adaptive``: the quantile-adaptive clipping keywords of DPSGD/DPAdam
+  (``target_unclipped_quantile``, ...); None values are left out.
+  """
+  adaptive = {k: v for k, v in adaptive.items() if v is not None}
+  if adaptive and name not in ("dpsgd", "dpadam"):
+    raise FlagError(f"--{sorted(adaptive)[0]} (quantile-adaptive clipping) needs "
+                    f"--optimizer=dpsgd or dpadam; got --optimizer={name}.")
+
   def make(sigma):
     if name == "dpnsgd":
       return tf_dpnsgd.DPNSGD(learning_rate=learning_rate, regularizer=regularizer,
                               noise_multiplier=sigma, momentum=momentum)
     if name == "dpsgd":
       return tf_dpnsgd.DPSGD(learning_rate=learning_rate, l2_norm_clip=l2_norm_clip,
-                             noise_multiplier=sigma, momentum=momentum)
+                             noise_multiplier=sigma, momentum=momentum, **adaptive)
     if name == "dpnadam":
       return tf_dpnsgd.DPNAdam(learning_rate=learning_rate, regularizer=regularizer,
                                noise_multiplier=sigma)
     return tf_dpnsgd.DPAdam(learning_rate=learning_rate, l2_norm_clip=l2_norm_clip,
-                            noise_multiplier=sigma)
+                            noise_multiplier=sigma, **adaptive)
   return make
 
 
@@ -201,6 +219,10 @@ def main(argv):
   fv = flags.FLAGS
   try:
     sigma, eps = _privacy_flags(fv)
+    make_optimizer = optimizer_factory(
+        fv.optimizer, fv.learning_rate, fv.regularizer, fv.l2_norm_clip, fv.momentum,
+        target_unclipped_quantile=fv.target_unclipped_quantile,
+        clip_learning_rate=fv.clip_learning_rate, clipped_count_stddev=fv.clipped_count_stddev)
     (x_train, y_train), test = load_data(fv.dataset, fv.data_path, fv.max_train_examples,
                                          fv.max_test_examples)
     train, pool = split_canary_pool(x_train, y_train, fv.num_canaries, fv.canary_kind,
@@ -217,8 +239,7 @@ def main(argv):
     report = audit.run_canary_audit(
         lambda: mlp(shape, num_classes, fv.width), train, num_classes=num_classes,
         canary_kind=fv.canary_kind, num_canaries=fv.num_canaries,
-        make_optimizer=optimizer_factory(fv.optimizer, fv.learning_rate, fv.regularizer,
-                                         fv.l2_norm_clip, fv.momentum),
+        make_optimizer=make_optimizer,
         batch_size=fv.batch_size, epochs=fv.epochs, noise_multiplier=sigma,
         target_epsilon=eps, delta=fv.delta, sampling=fv.sampling, accountant=fv.accountant,
         conversion=fv.conversion, canary_pool=pool, score=fv.score, confidence=fv.confidence,
@@ -238,6 +259,8 @@ def main(argv):
           "what the accountant assumes.", flush=True)
   if fv.output_dir:
     label = f"{fv.dataset} {fv.optimizer} {fv.canary_kind} canaries"
+    if fv.target_unclipped_quantile is not None:
+      label += f", adaptive clip (gamma {fv.target_unclipped_quantile:g})"
     write_outputs(report, fv.output_dir, label)
     print(f"audit report: {os.path.join(fv.output_dir, REPORT_FILE)}", flush=True)
 
