@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -39,3 +40,61 @@ def output_spec(model, x):
   x_spec = tf.nest.map_structure(
       lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
   return model.compute_output_spec(x_spec)
+
+
+_MISSING = object()
+
+
+class CallOverrides:
+  """Instance-attribute ``call`` overrides of layers, reference counted under a lock.
+
+  Layers are shared between the replica threads of a ``tf.distribute``
+  strategy, so an override is installed once (set with ``object.__setattr__``,
+  bypassing Keras' attribute tracking) and removed when its last user leaves,
+  restoring any previous instance attribute. Used by the layer-wise engine's
+  call capture and the vectorized engine's explicit bias add.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._entries: dict = {}  # id(layer) -> [layer, previous instance attribute, count]
+
+  def __len__(self):
+    return len(self._entries)
+
+  def install(self, layers, make_call: Callable) -> list:
+    """Overrides ``call`` of each layer with ``make_call(layer)`` (reads the current
+    ``layer.call``); returns the layers to pass to :meth:`uninstall`. All or nothing."""
+    installed = []
+    with self._lock:
+      try:
+        for layer in layers:
+          entry = self._entries.get(id(layer))
+          if entry is None:
+            previous = layer.__dict__.get("call", _MISSING)
+            object.__setattr__(layer, "call", make_call(layer))
+            self._entries[id(layer)] = [layer, previous, 1]
+          else:
+            entry[2] += 1
+          installed.append(layer)
+      except BaseException:
+        self._release(installed)
+        raise
+    return installed
+
+  def uninstall(self, installed: list) -> None:
+    """Releases the layers :meth:`install` returned (emptying the list)."""
+    with self._lock:
+      self._release(installed)
+
+  def _release(self, installed):
+    while installed:
+      layer = installed.pop()
+      entry = self._entries[id(layer)]
+      entry[2] -= 1
+      if entry[2] == 0:
+        del self._entries[id(layer)]
+        if entry[1] is _MISSING:
+          object.__delattr__(layer, "call")
+        else:
+          object.__setattr__(layer, "call", entry[1])

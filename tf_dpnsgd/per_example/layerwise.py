@@ -84,12 +84,11 @@ import tensorflow as tf
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import layers as _builtin_rules  # noqa: F401  (registers rules)
-from tf_dpnsgd.per_example.base import EngineOutput
+from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
                                               check_microbatches)
 
 _log = logging.getLogger(__name__)
-_MISSING = object()
 
 
 class _Call:
@@ -104,8 +103,7 @@ class _Call:
 # once (reference counted under a lock) and dispatches to the capture that is
 # active in the calling thread; a call from any other thread runs the layer's
 # own `call` unchanged.
-_ROUTES_LOCK = threading.Lock()
-_ROUTES: dict = {}  # id(layer) -> [layer, previous instance attribute, original call, count]
+_ROUTES = CallOverrides()
 _ACTIVE = threading.local()
 
 
@@ -178,43 +176,17 @@ class CallCapture:
     return None if self._graph is None else len(self._graph.get_operations())
 
   def __enter__(self):
-    with _ROUTES_LOCK:
-      try:
-        for layer, _ in self._plans:
-          entry = _ROUTES.get(id(layer))
-          if entry is None:
-            previous = layer.__dict__.get("call", _MISSING)
-            original = layer.call
-            object.__setattr__(layer, "call", _router(layer, original))
-            _ROUTES[id(layer)] = [layer, previous, original, 1]
-          else:
-            entry[3] += 1
-          self._installed.append(layer)
-      except BaseException:
-        self._uninstall()
-        raise
+    self._installed = _ROUTES.install(
+        [layer for layer, _ in self._plans], lambda layer: _router(layer, layer.call))
     if not hasattr(_ACTIVE, "captures"):
       _ACTIVE.captures = []
     _ACTIVE.captures.append(self)
     return self
 
-  def _uninstall(self):
-    while self._installed:
-      layer = self._installed.pop()
-      entry = _ROUTES[id(layer)]
-      entry[3] -= 1
-      if entry[3] == 0:
-        del _ROUTES[id(layer)]
-        if entry[1] is _MISSING:
-          object.__delattr__(layer, "call")
-        else:
-          object.__setattr__(layer, "call", entry[1])
-
   def __exit__(self, *exc):
     self._last_op = self._num_ops()
     _ACTIVE.captures.remove(self)
-    with _ROUTES_LOCK:
-      self._uninstall()
+    _ROUTES.uninstall(self._installed)
     return False
 
 

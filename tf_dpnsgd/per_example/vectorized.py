@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 
 import keras
 import tensorflow as tf
@@ -38,7 +37,7 @@ from keras import ops
 
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import registry as registry_lib
-from tf_dpnsgd.per_example.base import EngineOutput
+from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
 
 try:  # TensorFlow's own answer to "are oneDNN kernels used in this process?"
   from tensorflow.python.util import _pywrap_util_port
@@ -263,9 +262,7 @@ def onednn_risky_layers(model) -> list:
 
 # --- EinsumDense biases ---------------------------------------------------------
 
-_BIAS_LOCK = threading.Lock()
-_BIAS_ROUTES: dict = {}  # id(layer) -> [layer, previous instance attribute, count]
-_MISSING = object()
+_BIAS_ROUTES = CallOverrides()
 
 
 def _explicit_bias_call(layer):
@@ -306,37 +303,11 @@ class ExplicitBiasAdd:
     self._installed = []
 
   def __enter__(self):
-    with _BIAS_LOCK:
-      try:
-        for layer in self._layers:
-          entry = _BIAS_ROUTES.get(id(layer))
-          if entry is None:
-            previous = layer.__dict__.get("call", _MISSING)
-            object.__setattr__(layer, "call", _explicit_bias_call(layer))
-            _BIAS_ROUTES[id(layer)] = [layer, previous, 1]
-          else:
-            entry[2] += 1
-          self._installed.append(layer)
-      except BaseException:
-        self._uninstall()
-        raise
+    self._installed = _BIAS_ROUTES.install(self._layers, _explicit_bias_call)
     return self
 
-  def _uninstall(self):
-    while self._installed:
-      layer = self._installed.pop()
-      entry = _BIAS_ROUTES[id(layer)]
-      entry[2] -= 1
-      if entry[2] == 0:
-        del _BIAS_ROUTES[id(layer)]
-        if entry[1] is _MISSING:
-          object.__delattr__(layer, "call")
-        else:
-          object.__setattr__(layer, "call", entry[1])
-
   def __exit__(self, *exc):
-    with _BIAS_LOCK:
-      self._uninstall()
+    _BIAS_ROUTES.uninstall(self._installed)
     return False
 
 
