@@ -97,10 +97,6 @@ def _share_noise_key(optimizer, strategy) -> None:
   optimizer._noise_key = (distribution.broadcast_int(strategy, key[0]),) + tuple(key[1:])
 
 
-def split_chunks(x, start, size):
-  return tf.nest.map_structure(lambda t: t[start:start + size], x)
-
-
 def chunk_rows(i, size, batch):
   """Row indices (``[size]``) of physical chunk ``i``, and which of them are real rows.
 
