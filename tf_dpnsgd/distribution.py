@@ -108,14 +108,18 @@ def broadcast_int(strategy: tf.distribute.Strategy, value: int) -> int:
   if isinstance(value, bool) or not 0 <= int(value) < 2 ** 63:
     raise ValueError(f"broadcast_int takes an int in [0, 2**63); got {value!r}.")
   local = tf.constant(int(value), tf.int64)
+  return _sum_over_replicas(
+      strategy, lambda ctx: tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), local,
+                                     tf.zeros_like(local)))
 
+
+def _sum_over_replicas(strategy: tf.distribute.Strategy, contribution) -> int:
+  """The int64 SUM all-reduce of ``contribution(replica_context)`` over all replicas."""
   @tf.function
   def run():
     def replica_fn():
       ctx = tf.distribute.get_replica_context()
-      first = tf.equal(ctx.replica_id_in_sync_group, 0)
-      return ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                            tf.where(first, local, tf.zeros_like(local)))
+      return ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution(ctx))
     return strategy.run(replica_fn)
 
   return int(strategy.experimental_local_results(run())[0].numpy())
@@ -131,15 +135,7 @@ def check_same_on_all_workers(strategy: tf.distribute.Strategy, value: int, what
     return
   first = broadcast_int(strategy, value)
   mismatch = tf.constant(int(first != int(value)), tf.int64)
-
-  @tf.function
-  def run():
-    def replica_fn():
-      ctx = tf.distribute.get_replica_context()
-      return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mismatch)
-    return strategy.run(replica_fn)
-
-  if int(strategy.experimental_local_results(run())[0].numpy()):
+  if _sum_over_replicas(strategy, lambda ctx: mismatch):
     raise ValueError(
         f"The {what} differs between the workers of this job: every worker must draw the "
         f"same batches and noise. Draw it once on worker 0 and share it with "
