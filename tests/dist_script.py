@@ -91,5 +91,21 @@ for sampling in SAMPLINGS:
   out[f"{sampling}_noise_diff"] = model.get_weights()[0] - before
   out[f"{sampling}_noise_steps"] = model.privacy_ledger.steps
 
+if MODE == "worker":
+  # Adversarial: each worker's plan has its own sampler seed (worker i: seed 10 + i), so
+  # the workers would draw different batches. Every worker must refuse, none may hang.
+  import json  # noqa: E402
+  task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+  plan = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=STEPS,
+                               noise_multiplier=1.0, delta=1e-5, seed=10 + int(task))
+  with strategy.scope():
+    inp = keras.Input((5,))
+    model = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+  try:
+    plan.dataset(x, y, model=model)
+    out["mismatched_seed_refused"] = ""
+  except ValueError as e:
+    out["mismatched_seed_refused"] = str(e)
+
 np.savez(OUT, **out)
 print("DONE", flush=True)

@@ -102,6 +102,14 @@ def test_two_workers_add_one_noise_draw_per_step(results):
       np.testing.assert_array_equal(workers[0][key], workers[1][key])
 
 
+def test_workers_with_different_sampler_seeds_all_refuse(results):
+  """Plans whose secret sampler seeds differ across workers would draw different global
+  batches: plan.dataset refuses on every worker (none is left waiting in a collective)."""
+  _, workers = results
+  for worker in workers:
+    assert "differs between the workers" in str(worker["mismatched_seed_refused"])
+
+
 def test_launcher_runs_on_two_workers_and_only_the_chief_writes(tmp_path):
   """`--distribution_strategy=multi_worker` end to end through a launcher (quickstart)."""
   commands = []
