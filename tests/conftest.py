@@ -15,3 +15,11 @@ def _fresh_keras_session():
   keras.backend.clear_session()
   keras.utils.set_random_seed(1234)
   yield
+
+
+@pytest.fixture(autouse=True)
+def _private_lineage_record(tmp_path, monkeypatch):
+  """Each test its own machine-local lineage record (tf_dpnsgd.lineage): no test sees
+  another's privately trained weights."""
+  monkeypatch.setenv("TF_DPNSGD_LINEAGE_DIR", str(tmp_path / "lineages"))
+  yield

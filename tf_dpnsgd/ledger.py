@@ -1,62 +1,93 @@
-"""The privacy ledger: what the DP train step actually executed, owned by the model.
+"""The privacy ledger: what the DP train step actually executed, bound to the weights.
 
 An accountant turns a description of the run (how batches were drawn, how
 many steps, which noise) into epsilon. That epsilon describes the training
 only if the description is what ran. The ledger is the record of what ran,
 written by the train step itself and nowhere else:
 
-=====================  ======================================================
-entry                  meaning
-=====================  ======================================================
-``steps``              private steps taken (one noise draw each)
-``kind``               the kind of batch every step consumed (one kind per
-                       ledger): ``poisson``, ``uniform``, ``shuffle`` (tagged
-                       by :mod:`tf_dpnsgd.sampling`) or ``untagged`` (a
-                       fixed-size batch Keras drew itself)
-``sampler``            fingerprint of the sampler (kind, ``N``, ``B``) that
-                       tagged the batches
-``user_seeded_steps``  steps whose noise came from a user-fixed seed
-``min_noise``          smallest noise multiplier any step used
-=====================  ======================================================
+=========================  ==================================================
+entry                      meaning
+=========================  ==================================================
+``steps``                  private steps this lineage executed (one noise
+                           draw each); never decreases (see "Forward only")
+``kind``                   the kind of batch every step consumed (one kind per
+                           ledger): ``poisson``, ``uniform``, ``shuffle``
+                           (tagged by :mod:`tf_dpnsgd.sampling`) or
+                           ``untagged`` (drawn by Keras from in-memory arrays,
+                           or user batches the user vouched for)
+``sampler``                public fingerprint of the sampler (kind, ``N``, ``B``)
+``sampler_seed_hash``      a hash of the sampler's secret seed
+``user_seeded_steps``      steps whose noise came from a user-fixed seed
+``min_noise_multiplier``   smallest noise multiplier any step used
+``noise_generation``       restores that rolled the ledger back (each one moves
+                           the noise to a fresh stream)
+``lineage``                a random id naming this ledger's history
+``flags``                  assumptions outside the Gaussian mechanism
+                           (:mod:`tf_dpnsgd.coverage`)
+=========================  ==================================================
 
-It lives in the model's (non-trainable) weights, so ``save_weights`` /
-``load_weights``, ``.keras`` files and checkpoints carry it whatever the
-optimizer's state (a freshly compiled optimizer, a recompile, a new
-optimizer object). The noise of step ``t`` is keyed by ``steps``, so a new
-optimizer continues the noise stream instead of repeating it.
+Where it lives (the mechanism). The ledger is a Keras saveable object that
+is NOT part of the model's weight list: ``get_weights``/``set_weights``
+between a private model and its plain twin, and ``load_weights`` of a plain
+checkpoint (a warm start), work as for any Keras model. It still travels
+with the weights through every save path: Keras' saving walks the model's
+attributes, so ``save``/``.keras``/``save_weights``/``load_weights``,
+``ModelCheckpoint`` and ``BackupAndRestore`` carry it (its own
+``save_own_variables``/``load_own_variables``), and the DP model exposes it
+to ``tf.train.Checkpoint``. :func:`tf_dpnsgd.make_private` keeps it on the
+wrapped Keras model too, so a second ``make_private`` of the same model
+continues it, and records the trained weights' fingerprint on this machine
+(:mod:`tf_dpnsgd.lineage`) so weights reloaded without it get it back.
 
-Data flows one way: sampler tags -> train step (:meth:`PrivacyLedger.check`
-before the update, :meth:`PrivacyLedger.record` after it) -> ledger ->
-:meth:`tf_dpnsgd.plan.PrivacyPlan.report` / the privacy callback, which read
-only the ledger.
+Forward only. Every check runs on the host, before the step, in
+:mod:`tf_dpnsgd.guard` (never as an in-graph assertion, which XLA removes).
+A restore that would move the ledger back below the steps its lineage
+already executed (``load_weights`` of an older checkpoint, ``BackupAndRestore``
+after an interrupted ``fit``, ``tf.train.Checkpoint.restore``, in this process
+or, through the lineage record, in another one on this machine) keeps the
+executed count, merges the conservative values (smallest noise, all flags)
+and increments ``noise_generation``: the noise of step ``t`` is keyed by
+``(key, lineage, generation, t)``, so a rolled-back run never draws the same
+noise twice.
 
 Batch tags. A sampler's batch is ``(x, y, tags)`` with ``tags`` a dict of
 per-row tensors (per row so that ``tf.distribute`` can split them):
+``dp_kind`` (:data:`KIND_CODES`), ``dp_step`` (the sampler's step ``t``),
+``dp_sampler`` (:func:`sampler_fingerprint`), ``dp_seed``
+(:func:`seed_hash` of the sampler seed); Poisson only (and padded batches):
+``dp_mask`` and ``dp_denominator``.
 
-* ``dp_kind`` (int32): :data:`KIND_CODES` of the sampler;
-* ``dp_step`` (int64): the sampler's step index ``t``;
-* ``dp_sampler`` (int64): :func:`sampler_fingerprint`;
-* Poisson only: ``dp_mask`` (bool, padding rows False) and
-  ``dp_denominator`` (the expected batch size ``qN``).
-
-Formal guarantee of the checks (run in the graph before the optimizer update,
-so a refused step changes nothing): a step is refused unless
+Formal guarantee of the host checks (:meth:`PrivacyLedger.check_batch`): a
+step runs only if
 
 1. its kind equals the ledger's kind (once one step ran) and the kind the
    plan expects (once a :class:`~tf_dpnsgd.callbacks.PrivacyCallback`
    announced it with :meth:`PrivacyLedger.expect`);
-2. for tagged batches: every row's ``dp_step`` equals ``steps`` (no replay,
-   no skip) and the sampler fingerprint equals the ledger's.
+2. tagged batches: every row's ``dp_step`` equals ``steps`` (no replay, no
+   skip), the sampler fingerprint equals the ledger's, and, for ``shuffle``
+   batches, the sampler seed hash equals the ledger's (a new seed would be a
+   new permutation: examples twice in one epoch). Poisson and uniform steps
+   are independent draws whatever the seed, so a resume with a fresh seed is
+   accepted there;
+3. untagged batches: only from in-memory arrays that Keras itself batches
+   (each example at most once per batch), or when the model was built with
+   ``trust_untagged_batches=True`` (then recorded in ``flags`` and listed by
+   the report as an unverified assumption).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
+import os
 from typing import Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tf_dpnsgd import lineage as lineage_lib
 
 # --- batch keys (the samplers write them, the train step reads them) ---------
 DP_MASK_KEY = "dp_mask"
@@ -64,17 +95,27 @@ DP_DENOMINATOR_KEY = "dp_denominator"
 DP_KIND_KEY = "dp_kind"
 DP_STEP_KEY = "dp_step"
 DP_SAMPLER_KEY = "dp_sampler"
-TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY)
+DP_SEED_KEY = "dp_seed"
+TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY)
 BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
 KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
 _LEDGER_NAME = "dp_privacy_ledger"
+_FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
+           "min_noise_multiplier", "noise_generation", "lineage", "flags")
+_OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
+               "min_noise_multiplier")  # files written before the seed hash existed
+# In-process high-water marks, lineage -> (steps, state): a rollback of ANY ledger object of
+# a lineage (two models loaded from one file) is seen, not only of the one that trained.
+_PROCESS_REACHED: dict = {}
+
+_log = logging.getLogger(__name__)
 
 
 class LedgerMismatchError(ValueError):
-  """The ledger (what ran) does not match the plan (what would be reported)."""
+  """The ledger (what ran) does not match the plan or the batch (what would be reported)."""
 
 
 def sampler_fingerprint(sampling: str, dataset_size: int, batch_size: int) -> int:
@@ -90,188 +131,311 @@ def sampler_fingerprint(sampling: str, dataset_size: int, batch_size: int) -> in
   return max(value, 1)
 
 
-def _counter(layer, name, dtype="int64", initializer="zeros"):
-  return layer.add_weight(shape=(), dtype=dtype, initializer=initializer, trainable=False,
-                          name=name, aggregation="only_first_replica")
+def seed_hash(seed: int) -> int:
+  """A positive int63 hash of a sampler seed: equal seeds, equal hashes.
+
+  It lets the ledger refuse batches of a sampler with another seed without
+  storing the seed. For a seed drawn from the OS (the default, 63 bits) the
+  hash reveals nothing practical about it; a small user-chosen seed can be
+  found from its hash by trying all seeds, like any user-fixed seed.
+
+  >>> seed_hash(7) == seed_hash(7), seed_hash(7) == seed_hash(8)
+  (True, False)
+  """
+  digest = hashlib.sha256(b"tf_dpnsgd.sampler_seed|" + str(int(seed)).encode()).digest()
+  return max(int.from_bytes(digest[:8], "little") >> 1, 1)
+
+
+def _random_lineage() -> int:
+  return max(int.from_bytes(os.urandom(8), "little") >> 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSummary:
+  """What the host knows of one batch before the step (from :mod:`tf_dpnsgd.guard`)."""
+
+  tagged: bool
+  kind: int = 0
+  step_min: int = 0
+  step_max: int = 0
+  sampler_min: int = 0
+  sampler_max: int = 0
+  seed_min: int = 0
+  seed_max: int = 0
+
+  @classmethod
+  def merge(cls, summaries) -> "BatchSummary":
+    """One summary of a batch split over replicas."""
+    summaries = list(summaries)
+    if len({s.tagged for s in summaries}) != 1:
+      raise LedgerMismatchError("Some replicas' shards are tagged and others are not.")
+    if not summaries[0].tagged:
+      return summaries[0]
+    kinds = {s.kind for s in summaries}
+    kind = kinds.pop() if len(kinds) == 1 else -1
+    return cls(True, kind, min(s.step_min for s in summaries),
+               max(s.step_max for s in summaries), min(s.sampler_min for s in summaries),
+               max(s.sampler_max for s in summaries), min(s.seed_min for s in summaries),
+               max(s.seed_max for s in summaries))
 
 
 class PrivacyLedger(keras.layers.Layer):
-  """Non-trainable record of the private steps a model executed (see the module doc).
+  """Record of the private steps a model's weights went through (see the module doc).
 
   Created by :class:`tf_dpnsgd.DPModel` / :func:`tf_dpnsgd.make_private`;
-  read it as ``model.privacy_ledger`` (or :func:`ledger_of`).
+  read it as ``model.privacy_ledger`` (or :func:`ledger_of`). Not a part of
+  ``model.weights``.
   """
 
   def __init__(self, **kwargs):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
-    self._steps = _counter(self, "steps")
-    self._kind = _counter(self, "kind", "int32")
-    self._expected_kind = _counter(self, "expected_kind", "int32")
-    self._sampler = _counter(self, "sampler")
-    self._user_seeded = _counter(self, "user_seeded_steps")
-    self._min_noise = _counter(self, "min_noise_multiplier", "float32",
-                               keras.initializers.Constant(np.inf))
+    dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32"}
+    self._vars = {}
+    for name in _FIELDS:
+      init = (keras.initializers.Constant(np.inf) if name == "min_noise_multiplier"
+              else "zeros")
+      self._vars[name] = self.add_weight(shape=(), dtype=dtypes.get(name, "int64"),
+                                         initializer=init, trainable=False, name=name,
+                                         aggregation="only_first_replica")
+    self._vars["lineage"].assign(_random_lineage())
+    self._snapshot = None
     self.built = True
 
   # --- reading (eager) -------------------------------------------------------
+  def state(self) -> dict:
+    """All entries as Python values."""
+    out = {}
+    for name, v in self._vars.items():
+      value = np.asarray(v.numpy())
+      out[name] = float(value) if value.dtype.kind == "f" else int(value)
+    return out
+
   @property
   def steps(self) -> int:
     """Private steps taken (what every report counts)."""
-    return int(self._steps.numpy())
+    return int(self._vars["steps"].numpy())
 
   @property
   def kind(self) -> Optional[str]:
     """The kind of batch all steps consumed (None before the first step)."""
-    code = int(self._kind.numpy())
-    return KIND_NAMES.get(code)
+    return KIND_NAMES.get(int(self._vars["kind"].numpy()))
 
   @property
   def sampler(self) -> int:
-    return int(self._sampler.numpy())
+    return int(self._vars["sampler"].numpy())
+
+  @property
+  def sampler_seed_hash(self) -> int:
+    return int(self._vars["sampler_seed_hash"].numpy())
 
   @property
   def user_seeded_steps(self) -> int:
-    return int(self._user_seeded.numpy())
+    return int(self._vars["user_seeded_steps"].numpy())
 
   @property
   def min_noise_multiplier(self) -> float:
-    return float(self._min_noise.numpy())
+    return float(self._vars["min_noise_multiplier"].numpy())
+
+  @property
+  def noise_generation(self) -> int:
+    return int(self._vars["noise_generation"].numpy())
+
+  @property
+  def lineage(self) -> int:
+    return int(self._vars["lineage"].numpy())
+
+  @property
+  def flags(self) -> int:
+    """Bits of :mod:`tf_dpnsgd.coverage`: assumptions outside the Gaussian mechanism."""
+    return int(self._vars["flags"].numpy())
 
   def to_dict(self) -> dict:
+    """The public entries (no seed, no key; the seed hash is left out too)."""
     return {"steps": self.steps, "batch_kind": self.kind,
             "user_seeded_noise_steps": self.user_seeded_steps,
-            "min_noise_multiplier": (None if self.steps == 0 else self.min_noise_multiplier)}
+            "min_noise_multiplier": (None if self.steps == 0 else self.min_noise_multiplier),
+            "noise_generation": self.noise_generation, "flags": self.flags}
 
-  # --- announcing the plan (eager) ------------------------------------------
+  # --- host-side writes (eager) ----------------------------------------------
   def expect(self, sampling: Optional[str]) -> None:
-    """Refuse (in the train step) any batch not of kind ``sampling`` (None: no expectation)."""
-    code = 0 if sampling is None else KIND_CODES[sampling]
-    self._expected_kind.assign(code)
+    """Refuse (before the step) any batch not of kind ``sampling`` (None: no expectation)."""
+    self._host_write("expected_kind", 0 if sampling is None else KIND_CODES[sampling])
+
+  def add_flags(self, bits: int) -> None:
+    """ORs ``bits`` (:mod:`tf_dpnsgd.coverage`) into :attr:`flags`; flags are never cleared."""
+    self.sync()
+    self._host_write("flags", self.flags | int(bits))
+
+  def _host_write(self, name: str, value) -> None:
+    self.sync()  # first take notice of any restore, so the write cannot hide it
+    self._vars[name].assign(value)
+    self._note(self.state())
+
+  def _assign(self, state: dict) -> None:
+    for name, value in state.items():
+      if name in self._vars:
+        self._vars[name].assign(value)
+
+  def sync(self) -> None:
+    """Host: take notice of state written from outside the train step (a restore).
+
+    If the ledger now counts fewer steps than its lineage already executed
+    (in this process, or on this machine per :mod:`tf_dpnsgd.lineage`), the
+    executed count comes back, the conservative values are merged and the
+    noise moves to a new generation. Called before every train function call
+    and after every load.
+    """
+    state = self.state()
+    if state == self._snapshot:
+      return
+    lineage = state["lineage"]
+    reached = _PROCESS_REACHED.get(lineage)
+    recorded = lineage_lib.max_steps(lineage)
+    if reached is None or recorded > reached[0]:
+      reached = (recorded, None)
+    if state["steps"] < reached[0]:
+      merged = dict(state, steps=reached[0],
+                    noise_generation=max(state["noise_generation"],
+                                         (reached[1] or {}).get("noise_generation", 0)) + 1)
+      if reached[1] is not None:
+        old = reached[1]
+        merged["min_noise_multiplier"] = min(state["min_noise_multiplier"],
+                                             old["min_noise_multiplier"])
+        merged["user_seeded_steps"] = max(state["user_seeded_steps"], old["user_seeded_steps"])
+        merged["flags"] = state["flags"] | old["flags"]
+      _log.warning(
+          "tf_dpnsgd: the privacy ledger was restored to step %d, but its lineage already "
+          "executed %d private steps; it keeps counting %d (the steps of the abandoned branch "
+          "stay in the epsilon) and moves the noise to a fresh stream.", state["steps"],
+          reached[0], reached[0])
+      self._assign(merged)
+      state = self.state()
+    self._note(state)
+
+  def _note(self, state: dict) -> None:
+    self._snapshot = state
+    lineage = state["lineage"]
+    old = _PROCESS_REACHED.get(lineage)
+    if old is None or state["steps"] >= old[0]:
+      _PROCESS_REACHED[lineage] = (state["steps"], state)
+
+  def after_steps(self) -> None:
+    """Host: the train function ran; remember how far this lineage got."""
+    self._note(self.state())
+
+  def save_own_variables(self, store):
+    state = self.state()
+    for name, value in state.items():
+      store[name] = np.asarray(self._vars[name].numpy())
+    lineage_lib.record_steps(state["lineage"], state["steps"])
+
+  def load_own_variables(self, store):
+    keys = list(store.keys()) if hasattr(store, "keys") else []
+    if not keys:
+      # A file without a ledger (weights of a plain model: a warm start). The weights change
+      # by hand, the ledger keeps what this lineage executed.
+      _log.info("tf_dpnsgd: the loaded file holds no privacy ledger; the model keeps its own "
+                "(%d steps).", self.steps)
+      return
+    if "steps" in keys:
+      values = {name: store[name] for name in _FIELDS if name in keys}
+    else:
+      values = {name: store[str(i)] for i, name in enumerate(_OLD_FIELDS)}
+    self._assign({k: np.asarray(v) for k, v in values.items()})
+    self.sync()
+
+  # --- host-side checks ------------------------------------------------------
+  def check_batch(self, summary: BatchSummary, offset: int = 0,
+                  untagged_allowed: bool = False, untagged_hint: str = "") -> None:
+    """Raises :class:`LedgerMismatchError` unless the batch continues this ledger.
+
+    Args:
+      summary: the batch's tags as seen on the host.
+      offset: the batch is the ``offset``-th of those about to run in one call.
+      untagged_allowed: whether an untagged batch is acceptable here (Keras
+        batching in-memory arrays, or the user's ``trust_untagged_batches``).
+      untagged_hint: what to do instead, for the error message.
+    """
+    state = self.state()
+    steps = state["steps"] + int(offset)
+    kind = summary.kind if summary.tagged else KIND_CODES[UNTAGGED]
+    if summary.tagged and kind not in KIND_NAMES:
+      raise LedgerMismatchError("A batch mixes tags of different samplers.")
+    if not summary.tagged and not untagged_allowed:
+      raise LedgerMismatchError(
+          "tf_dpnsgd: this batch carries no sampler tags, so the DP step cannot verify how it "
+          "was drawn (a user tf.data pipeline may repeat an example within a batch or an "
+          "epoch, e.g. oversampling a rare class, which multiplies its sensitivity). Feed "
+          "model.fit(plan.dataset(x, y, model=model), **plan.fit_kwargs(model)), or pass the "
+          "in-memory arrays to fit (Keras batches them, each example at most once per batch)."
+          f"{untagged_hint}")
+    expected, recorded = state["expected_kind"], state["kind"]
+    if expected not in (0, kind):
+      raise LedgerMismatchError(
+          f"tf_dpnsgd: this batch is of kind {KIND_NAMES.get(kind)!r} but the privacy plan "
+          f"accounts for {KIND_NAMES.get(expected)!r} batches ('untagged' means drawn by Keras "
+          "from arrays). Feed model.fit(plan.dataset(x, y, model=model), "
+          "**plan.fit_kwargs(model)) instead of arrays with batch_size, so the batches are the "
+          "ones accounted for.")
+    if recorded not in (0, kind):
+      raise LedgerMismatchError(
+          f"tf_dpnsgd: the model's privacy ledger holds steps of another batch kind "
+          f"({KIND_NAMES.get(recorded)!r}) than this batch ({KIND_NAMES.get(kind)!r}): one "
+          "model's privacy ledger follows one sampling (another sampling); keep feeding "
+          "batches from the same plan.dataset(...).")
+    if not summary.tagged:
+      return
+    if not summary.step_min == summary.step_max == steps:
+      raise LedgerMismatchError(
+          f"tf_dpnsgd: the batch is sampler step {summary.step_min} but the model has taken "
+          f"{steps} private steps: a replayed or skipped batch would be accounted as fresh. "
+          "Continue the stream with plan.dataset(x, y, model=model) (or "
+          "start_step=model.privacy_ledger.steps) and plan.fit_kwargs(model).")
+    if summary.sampler_min != summary.sampler_max or \
+        state["sampler"] not in (0, summary.sampler_min):
+      raise LedgerMismatchError(
+          "tf_dpnsgd: this batch comes from a sampler with another sampling, N or B than the "
+          "steps in the model's privacy ledger; one model follows one plan.")
+    if summary.seed_min != summary.seed_max:
+      raise LedgerMismatchError("tf_dpnsgd: the rows of this batch come from samplers with "
+                                "different seeds.")
+    if (KIND_NAMES[kind] == "shuffle" and state["sampler_seed_hash"] not in
+        (0, summary.seed_min)):
+      raise LedgerMismatchError(
+          "tf_dpnsgd: this shuffle batch comes from a sampler with another seed than the steps "
+          "in the model's privacy ledger. A new seed is a new permutation, so examples would "
+          "run twice in one epoch (shuffle accounting assumes at most once). Resume with the "
+          "original plan's seed: PrivacyPlan(..., seed=<the seed of the first run>), kept as "
+          "secret as the data (plan.seed), or use sampling='poisson', whose steps are "
+          "independent whatever the seed.")
 
   # --- the train step (graph) -----------------------------------------------
   def step(self) -> tf.Tensor:
-    """The index of the step being taken (= steps taken so far); keys the noise."""
-    return self._steps.value
+    """The index of the step being taken (= steps taken so far)."""
+    return self._vars["steps"].value
 
-  def check(self, tags, offset=0) -> list:
-    """Assert ops refusing a batch that does not continue this ledger (see module doc).
-
-    Args:
-      tags: ``None`` (an untagged batch) or a dict with :data:`TAG_KEYS`.
-      offset: the batch is the ``offset``-th of those about to run (host-side
-        checks of several batches before one multi-step call).
-
-    Returns:
-      The assert ops; run the step under ``tf.control_dependencies`` on them.
-    """
-    if tags is None:
-      kind = tf.constant(KIND_CODES[UNTAGGED], tf.int32)
-    else:
-      kind = tf.cast(tags[DP_KIND_KEY][0], tf.int32)
-    steps = self._steps.value + tf.cast(offset, tf.int64)
-    expected = self._expected_kind.value
-    recorded = self._kind.value
-    ops = [
-        tf.debugging.Assert(
-            tf.logical_or(tf.equal(expected, 0), tf.equal(expected, kind)),
-            ["tf_dpnsgd: this batch is not of the kind the privacy plan accounts for (batch "
-             "kind code, expected code; 1=poisson 2=uniform 3=shuffle 4=untagged, i.e. drawn "
-             "by Keras from arrays): ", kind, expected,
-             ". Feed model.fit(plan.dataset(x, y, model=model), **plan.fit_kwargs(model)) "
-             "instead of arrays with batch_size, so the batches are the ones accounted for."]),
-        tf.debugging.Assert(
-            tf.logical_or(tf.equal(recorded, 0), tf.equal(recorded, kind)),
-            ["tf_dpnsgd: the model's privacy ledger holds steps of another batch kind (ledger "
-             "code, batch code; 1=poisson 2=uniform 3=shuffle 4=untagged): ", recorded, kind,
-             ". One model's privacy ledger follows one sampling; keep feeding batches from "
-             "the same plan.dataset(...)."]),
-    ]
-    if tags is not None:
-      step_tag = tf.cast(tags[DP_STEP_KEY], tf.int64)
-      sampler = tf.cast(tags[DP_SAMPLER_KEY], tf.int64)
-      ops += [
-          tf.debugging.Assert(
-              tf.logical_and(tf.equal(tf.reduce_min(step_tag), steps),
-                             tf.equal(tf.reduce_max(step_tag), steps)),
-              ["tf_dpnsgd: the batch is sampler step ", tf.reduce_min(step_tag),
-               " but the model has taken ", steps, " private steps: a replayed or skipped "
-               "batch would be accounted as fresh. Continue the stream with "
-               "plan.dataset(x, y, model=model) (or start_step=model.privacy_ledger.steps) "
-               "and plan.fit_kwargs(model)."]),
-          tf.debugging.Assert(
-              tf.logical_or(tf.equal(self._sampler.value, 0),
-                            tf.equal(self._sampler.value, sampler[0])),
-              ["tf_dpnsgd: this batch comes from a sampler with another sampling, N or B "
-               "than the steps in the model's privacy ledger; one model follows one plan."]),
-      ]
-    return ops
+  def noise_stream(self) -> tf.Tensor:
+    """``[lineage, generation, step]`` (int64): what keys this step's noise draw."""
+    return tf.stack([self._vars["lineage"].value, self._vars["noise_generation"].value,
+                     self._vars["steps"].value])
 
   def record(self, tags, noise_multiplier: float, user_seeded: bool) -> list:
     """Assign ops recording one executed private step (run after the update)."""
+    v = self._vars
     if tags is None:
       kind = tf.constant(KIND_CODES[UNTAGGED], tf.int32)
-      sampler = None
     else:
       kind = tf.cast(tags[DP_KIND_KEY][0], tf.int32)
-      sampler = tf.cast(tags[DP_SAMPLER_KEY][0], tf.int64)
-    ops = [self._steps.assign_add(tf.constant(1, tf.int64)), self._kind.assign(kind),
-           self._min_noise.assign(tf.minimum(self._min_noise.value,
-                                             tf.constant(noise_multiplier, tf.float32)))]
-    if sampler is not None:
-      ops.append(self._sampler.assign(sampler))
+    ops = [v["steps"].assign_add(tf.constant(1, tf.int64)), v["kind"].assign(kind),
+           v["min_noise_multiplier"].assign(tf.minimum(
+               v["min_noise_multiplier"].value, tf.constant(noise_multiplier, tf.float32)))]
+    if tags is not None:
+      ops.append(v["sampler"].assign(tf.cast(tags[DP_SAMPLER_KEY][0], tf.int64)))
+      ops.append(v["sampler_seed_hash"].assign(tf.cast(tags[DP_SEED_KEY][0], tf.int64)))
     if user_seeded:
-      ops.append(self._user_seeded.assign_add(tf.constant(1, tf.int64)))
+      ops.append(v["user_seeded_steps"].assign_add(tf.constant(1, tf.int64)))
     return ops
-
-
-def check_batches_on_host(model) -> None:
-  """Wraps ``model.train_function`` so each batch's tags are checked before the step runs.
-
-  XLA (``jit_compile=True``) compiles assertions away, so the in-step checks of
-  :meth:`PrivacyLedger.check` would silently vanish. The wrapper takes the
-  ``steps_per_execution`` batches of a call from the iterator, checks each one
-  in a separate (non-XLA) function that raises on a mismatch, together with
-  the optimizer's own ``step_checks`` for that batch (adaptive clipping's
-  count noise), and only then runs the compiled step on them.
-  """
-  ledger = ledger_of(model)
-  inner = model.train_function
-  strategy = model.distribute_strategy
-
-  @tf.function(jit_compile=False, reduce_retracing=True)
-  def check(data, offset):
-    def replica_check(data):
-      x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-      _, denominator, tags = parse_batch_weights(sample_weight)
-      checks = list(ledger.check(tags, offset))
-      step_checks = getattr(model.optimizer, "step_checks", None)
-      if step_checks is not None:  # e.g. adaptive clipping's 2 sigma_b > sigma for this batch
-        local = denominator is None
-        if local:
-          microbatches = getattr(model, "num_microbatches", None)
-          denominator = (microbatches if microbatches
-                         else tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0])
-        checks += list(step_checks(denominator, local_denominator=local))
-      with tf.control_dependencies(checks):
-        return tf.constant(True)
-    return strategy.run(replica_check, args=(data,))
-
-  def function(iterator):
-    stream = iter(iterator)
-    batches = []
-    for _ in range(max(1, int(model.steps_per_execution))):
-      try:
-        batches.append(next(stream))
-      except StopIteration:
-        if not batches:
-          raise
-        break
-    for offset, data in enumerate(batches):
-      check(data, tf.constant(offset, tf.int64))
-    return inner(batches)
-
-  model.train_function = function
 
 
 def ledger_of(model) -> PrivacyLedger:
@@ -320,6 +484,7 @@ def parse_batch_weights(sample_weight):
   return mask, denominator, tags
 
 
-__all__ = ["BATCH_KEYS", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY", "DP_SAMPLER_KEY",
-           "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError", "PrivacyLedger", "UNTAGGED",
-           "ledger_of", "parse_batch_weights", "sampler_fingerprint"]
+__all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
+           "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
+           "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
+           "sampler_fingerprint", "seed_hash"]

@@ -53,9 +53,14 @@ def random_seed() -> int:
 
 
 def step_seed(seed: tf.Tensor, counter: tf.Tensor) -> tf.Tensor:
-  """The ``[2]`` int32-compatible stateless seed of noise draw number ``counter``."""
-  base = tf.cast(seed, tf.int64)
-  return tf.random.experimental.stateless_fold_in(base, tf.cast(counter, tf.int64))
+  """The ``[2]`` stateless seed of noise draw ``counter``: a scalar, or a vector of
+  counters folded in one after another (e.g. the ledger's ``[lineage, generation, step]``)."""
+  out = tf.cast(seed, tf.int64)
+  counter = tf.cast(counter, tf.int64)
+  parts = [counter] if counter.shape.rank == 0 else tf.unstack(counter)
+  for part in parts:
+    out = tf.random.experimental.stateless_fold_in(out, part)
+  return out
 
 
 def add_gaussian_noise(summed: Sequence[tf.Tensor], stddev: float,

@@ -393,7 +393,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       if local_denominator:
         denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                      tf.cast(denominator, tf.float32))
-    seed = noise_lib.step_seed(tf.constant(self._noise_key, tf.int64), step)
+    seed = noise_lib.step_seed(tf.constant(self._noise_key, tf.int64), self._stream(step))
     transform = self.transform if transform is None else transform
     checks = []
     if self.adaptive_clip is None or self.noise_multiplier == 0:
@@ -409,6 +409,15 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       # holds the same privatized mean, so each passes 1/R of it.
       denominator = denominator * replicas
     return [g / tf.cast(denominator, g.dtype) for g in noisy]
+
+  def _stream(self, step):
+    """The counter(s) keying this step's draw: the ledger's ``[lineage, generation, step]``
+    (without the lineage for a user-fixed seed, so that a reproducibility run replays in a
+    new model), or a scalar step."""
+    step = tf.cast(step, tf.int64)
+    if step.shape.rank == 1 and self.seed is not None:
+      step = step[1:]
+    return step
 
   def _step_gradient_noise_multiplier(self, global_denominator):
     """``(sigma_grad, checks)`` for a step of ``global_denominator`` units (adaptive)."""
@@ -463,7 +472,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       if local_denominator:
         denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
     count_key = tf.constant((self._noise_key[0], _COUNT_TAG), tf.int64)
-    seed = noise_lib.step_seed(count_key, step)
+    seed = noise_lib.step_seed(count_key, self._stream(step))
     return noise_lib.noised_unclipped_fraction(
         centered_count, self.resolved_clipped_count_stddev(denominator), denominator, seed)
 

@@ -285,9 +285,18 @@ class PrivacyPlan:
     if num_replicas is None:
       num_replicas = 1 if strategy is None else distribution.num_replicas(strategy)
     if strategy is not None:
-      distribution.check_same_on_all_workers(strategy, self.sampler.seed, "plan's sampler seed")
-    return self.sampler.dataset(x, y, start_step=_start_step(start_step, model),
-                                num_replicas=num_replicas)
+      distribution.check_same_on_all_workers(strategy, self.sampler.seed_hash,
+                                             "plan's sampler seed")
+    first = _start_step(start_step, model)
+    if model is not None:
+      # Read the ledger again whenever an iterator starts: a restore between now and then
+      # (BackupAndRestore, load_weights) moves the stream with the ledger.
+      ledger = ledger_lib.ledger_of(model)
+
+      def first():  # noqa: F811
+        ledger.sync()
+        return ledger.steps
+    return self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas)
 
   def fit_kwargs(self, model=None, start_step: Optional[int] = None) -> dict:
     """``epochs``, ``steps_per_epoch`` and ``initial_epoch`` for ``model.fit``.

@@ -258,9 +258,14 @@ class Sampler:
     ``dp_mask`` False: exactly zero contribution), so ``tf.distribute`` splits
     it into equal static shards; a padded uniform/shuffle batch then carries
     ``dp_mask`` and ``dp_denominator = B`` too.
+
+    ``start_step`` may be a callable returning the step, read each time an
+    iterator starts (a plan passes the model's ledger step: a ``fit`` after
+    a restore, e.g. ``BackupAndRestore``, continues where the ledger is).
     """
     self._check_data(x, y)
-    self._step_range(start_step, num_steps)  # validates now rather than inside tf.data
+    first_step = start_step if callable(start_step) else (lambda: start_step)
+    self._step_range(first_step(), num_steps)  # validates now rather than inside tf.data
     x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
     y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
     rows = self._padded_rows(num_replicas)
@@ -268,7 +273,7 @@ class Sampler:
     def index_stream():
       # Every iteration of the dataset restarts at `start_step` (deterministic), so a peek
       # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
-      for step in self._step_range(start_step, num_steps):
+      for step in self._step_range(first_step(), num_steps):
         idx, mask = self._replica_padded(step, rows)
         yield np.int64(step), idx.astype(np.int64), (np.ones(rows, bool) if mask is None
                                                       else mask)
@@ -282,13 +287,15 @@ class Sampler:
 
     kind = ledger_lib.KIND_CODES[self.sampling]
     fingerprint = self.fingerprint
+    seed_tag = self.seed_hash
 
     def gather(step, idx, mask):
       xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
       yb = tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t)
       tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
               ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
-              ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64))}
+              ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64)),
+              ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64))}
       if with_mask:
         tags[DP_MASK_KEY] = mask
         # Per row (all equal), so that tf.distribute can split it with the batch.
@@ -319,12 +326,18 @@ class Sampler:
     """:func:`tf_dpnsgd.ledger.sampler_fingerprint` of this sampler (public fields only)."""
     return ledger_lib.sampler_fingerprint(self.sampling, self.dataset_size, self.batch_size)
 
+  @property
+  def seed_hash(self) -> int:
+    """:func:`tf_dpnsgd.ledger.seed_hash` of the secret seed (the ledger keeps the hash)."""
+    return ledger_lib.seed_hash(self.seed)
+
   def tags(self, step: int, rows: int) -> dict:
     """The per-row tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`)."""
     return {ledger_lib.DP_KIND_KEY: np.full([rows], ledger_lib.KIND_CODES[self.sampling],
                                             np.int32),
             ledger_lib.DP_STEP_KEY: np.full([rows], step, np.int64),
-            ledger_lib.DP_SAMPLER_KEY: np.full([rows], self.fingerprint, np.int64)}
+            ledger_lib.DP_SAMPLER_KEY: np.full([rows], self.fingerprint, np.int64),
+            ledger_lib.DP_SEED_KEY: np.full([rows], self.seed_hash, np.int64)}
 
   @property
   def denominator(self) -> float:

@@ -25,14 +25,16 @@ per-example sensitivity.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import keras
 import tensorflow as tf
 
 from tf_dpnsgd import distribution
-from tf_dpnsgd import interaction
+from tf_dpnsgd import guard as guard_lib
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import lineage as lineage_lib
 from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import DPOptimizerMixin
@@ -97,6 +99,57 @@ def _share_noise_key(optimizer, strategy) -> None:
   optimizer._noise_key = (distribution.broadcast_int(strategy, key[0]),) + tuple(key[1:])
 
 
+def _attach_ledger(model, ledger) -> None:
+  """Makes ``ledger`` the model's ``privacy_ledger`` without adding it to ``model.weights``.
+
+  Keras' saving walks the model's attributes (so ``save``, ``.keras``,
+  ``save_weights``/``load_weights``, ``ModelCheckpoint`` and ``BackupAndRestore``
+  carry it); Keras' layer tracking, which builds the weight list, does not see
+  an attribute set this way.
+  """
+  if not isinstance(ledger, ledger_lib.PrivacyLedger):
+    raise TypeError(f"`privacy_ledger` must be a tf_dpnsgd PrivacyLedger; got {ledger!r}.")
+  object.__setattr__(model, "privacy_ledger", ledger)
+
+
+def _is_in_memory(x) -> bool:
+  """Whether ``fit`` batches ``x`` itself from in-memory arrays (NumPy, tensors, pandas)."""
+  if x is None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+    return False
+  try:
+    from keras.src.trainers.data_adapters import array_data_adapter  # pylint: disable=g-import-not-at-top
+    return bool(array_data_adapter.can_convert_arrays((x,)))
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+_BASE_LEDGER_ATTR = "_tf_dpnsgd_ledger"
+
+
+def _ledger_for(model) -> ledger_lib.PrivacyLedger:
+  """The privacy ledger that ``make_private(model)`` continues.
+
+  The one a previous ``make_private`` left on this Keras model (two-phase
+  fine-tuning: the second wrapper continues the first one's ledger); else,
+  if this machine recorded these exact weights at the end of a private
+  ``fit`` (:mod:`tf_dpnsgd.lineage`: e.g. ``base.save`` + ``load_model`` in a
+  new process), a ledger restored to that state; else a new one.
+  """
+  existing = model.__dict__.get(_BASE_LEDGER_ATTR)
+  if isinstance(existing, ledger_lib.PrivacyLedger):
+    return existing
+  ledger = ledger_lib.PrivacyLedger()
+  weights = model.get_weights() if model.built else []
+  state = lineage_lib.lookup_weights(lineage_lib.fingerprint(weights)) if weights else None
+  if state:
+    ledger.load_own_variables({k: v for k, v in state.items()})
+    logging.getLogger(__name__).warning(
+        "make_private: model '%s' holds weights trained privately for %d steps on this "
+        "machine; its privacy ledger is restored, so the report counts those steps.",
+        model.name, ledger.steps)
+  return ledger
+
+
 def chunk_rows(i, size, batch):
   """Row indices (``[size]``) of physical chunk ``i``, and which of them are real rows.
 
@@ -136,9 +189,11 @@ class LastValue(keras.metrics.Metric):
 class _DPTrainer:
   """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
 
-  _dp_keys = ("per_example", "physical_batch_size", "num_microbatches")
+  _dp_keys = ("per_example", "physical_batch_size", "num_microbatches",
+              "trust_untagged_batches", "public_state")
 
-  def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None):
+  def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None,
+                      trust_untagged_batches=False, public_state=(), privacy_ledger=None):
     if num_microbatches is not None and (
         isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
         or num_microbatches < 1):
@@ -155,11 +210,41 @@ class _DPTrainer:
                        f"got {physical_batch_size!r}.")
     self._dp_per_example = per_example_lib.validate_engine_name(per_example)
     self._dp_physical_batch_size = physical_batch_size
+    if not isinstance(trust_untagged_batches, bool):
+      raise ValueError(f"`trust_untagged_batches` must be a bool; got "
+                       f"{trust_untagged_batches!r}.")
+    if isinstance(public_state, str) or not all(isinstance(n, str) for n in public_state):
+      raise ValueError(f"`public_state` must be a list of layer names; got {public_state!r}.")
+    self._dp_trust_untagged = trust_untagged_batches
+    self._dp_public_state = tuple(public_state)
     self._dp_loss_fn = None
     self._dp_engine = None
-    if not isinstance(getattr(self, "privacy_ledger", None), ledger_lib.PrivacyLedger):
-      # Model state (saved with the weights), written only by the train step.
-      self.privacy_ledger = ledger_lib.PrivacyLedger()
+    if privacy_ledger is not None:
+      _attach_ledger(self, privacy_ledger)
+    elif not isinstance(getattr(self, "privacy_ledger", None), ledger_lib.PrivacyLedger):
+      # Saved with the weights by Keras' saving (an attribute it walks), NOT in
+      # self.weights: get_weights/set_weights with a plain twin keep working.
+      _attach_ledger(self, ledger_lib.PrivacyLedger())
+    if not hasattr(self, "_dp_guard"):
+      object.__setattr__(self, "_dp_guard", guard_lib.GuardState())
+
+  @property
+  def trust_untagged_batches(self) -> bool:
+    """Whether untagged batches from a user pipeline are accepted (an unverified assumption
+    that the report lists); False: only sampler batches and in-memory arrays."""
+    return self._dp_trust_untagged
+
+  @property
+  def public_state(self) -> tuple:
+    """Layers whose data-derived state the user declared public (listed by the report)."""
+    return self._dp_public_state
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    children = super()._trackable_children(save_type, **kwargs)
+    if save_type == "checkpoint":  # tf.train.Checkpoint carries the ledger too
+      children = dict(children)
+      children["privacy_ledger"] = self.privacy_ledger
+    return children
 
   @property
   def physical_batch_size(self):
@@ -176,7 +261,9 @@ class _DPTrainer:
   def _dp_config(self):
     return {"per_example": self._dp_per_example,
             "physical_batch_size": self._dp_physical_batch_size,
-            "num_microbatches": self._dp_num_microbatches}
+            "num_microbatches": self._dp_num_microbatches,
+            "trust_untagged_batches": self._dp_trust_untagged,
+            "public_state": list(self._dp_public_state)}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
@@ -230,7 +317,7 @@ class _DPTrainer:
     if loss_scale is not None:  # restored by compile_from_config
       self._compile_config.config["loss_scale"] = self._dp_loss_scale
     self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
-    self._dp_interaction_guard = interaction.InteractionGuard()  # probe the next batch
+    self._dp_guard.probe_pending = True  # probe the next batch
 
   @property
   def loss_scale(self) -> float:
@@ -255,10 +342,42 @@ class _DPTrainer:
           self.optimizer.build(self.trainable_variables)
       if distribution.is_multi_worker(self.distribute_strategy):
         _share_noise_key(self.optimizer, self.distribute_strategy)
-      interaction.build_train_function(self, super().make_train_function)
-      if self.jit_compile:
-        ledger_lib.check_batches_on_host(self)
+      super().make_train_function(force=True)
+      self.train_function = guard_lib.wrap(self, self.train_function)
     return self.train_function
+
+  def fit(self, *args, **kwargs):
+    """``keras.Model.fit`` under the DP guard (see :mod:`tf_dpnsgd.guard`).
+
+    In-memory arrays are batched by Keras (each example at most once per
+    batch): their untagged batches are accepted and accounted as such. Any
+    other source must be tagged by a sampler (``plan.dataset``) unless the
+    model was built with ``trust_untagged_batches=True``. At the end (also
+    after an error) the weights' fingerprint is recorded with the ledger
+    (:mod:`tf_dpnsgd.lineage`).
+    """
+    bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+    x = bound.arguments.get("x")
+    guard = self._dp_guard
+    guard.batch_source = "arrays" if _is_in_memory(x) else "other"
+    guard.fit_checks_pending = True
+    self._note_fit_callbacks(bound.arguments.get("callbacks"))
+    try:
+      return super().fit(*args, **kwargs)
+    finally:
+      guard.batch_source = None
+      self._record_lineage()
+
+  def _note_fit_callbacks(self, callbacks) -> None:
+    """Hook for callbacks that steer training on unprivatized metrics (see coverage)."""
+
+  def _record_lineage(self) -> None:
+    ledger = self.privacy_ledger
+    state = ledger.state()
+    if state["steps"] == 0:
+      return
+    lineage_lib.record_steps(state["lineage"], state["steps"])
+    lineage_lib.record_weights(lineage_lib.fingerprint(self.get_weights()), state)
 
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     """Keras' build from a first batch, fed one replica's shard without the DP tags.
@@ -345,13 +464,9 @@ class _DPTrainer:
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mask, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
-    # Phase 0: refuse a batch that does not continue the ledger (replay, skip, other
-    # sampling). Every op of the step is created under control dependencies on the
-    # checks, so a refused step changes nothing (weights, optimizer state, ledger,
-    # metrics). Under XLA, which drops assertions, the same checks run on the host
-    # before the step (see make_train_function).
-    with tf.control_dependencies(self.privacy_ledger.check(tags)):
-      logs = self._private_step(x, y, mask, denominator, tags)
+    # Phase 0 (check) ran on the host before this step (tf_dpnsgd.guard): the batch
+    # continues the ledger, or the step never started.
+    logs = self._private_step(x, y, mask, denominator, tags)
     return self._multi_worker_logs(logs)
 
   def _multi_worker_logs(self, logs):
@@ -380,7 +495,7 @@ class _DPTrainer:
     variables = self.trainable_variables
     ledger = self.privacy_ledger
     x = tf.nest.map_structure(tf.identity, x)
-    step = tf.identity(ledger.step())
+    step = tf.identity(ledger.noise_stream())  # [lineage, generation, step] keys the noise
     # The transform of THIS step, read once: under adaptive clipping Clip(C_t), which
     # clips, counts the unclipped units and sets this step's noise; C_{t+1} is written
     # only after the noise is drawn.
@@ -487,9 +602,10 @@ class DPModel(_DPTrainer, keras.Model):
   """
 
   def __init__(self, *args, per_example="auto", physical_batch_size=None, num_microbatches=None,
-               **kwargs):
+               trust_untagged_batches=False, public_state=(), privacy_ledger=None, **kwargs):
     super().__init__(*args, **kwargs)
-    self._set_dp_options(per_example, physical_batch_size, num_microbatches)
+    self._set_dp_options(per_example, physical_batch_size, num_microbatches,
+                         trust_untagged_batches, public_state, privacy_ledger)
 
   def get_config(self):
     config = super().get_config()
@@ -510,10 +626,11 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
   """DP training around a subclassed Keras model (made by :func:`make_private`)."""
 
   def __init__(self, model, per_example="auto", physical_batch_size=None, num_microbatches=None,
-               **kwargs):
+               trust_untagged_batches=False, public_state=(), privacy_ledger=None, **kwargs):
     super().__init__(**kwargs)
     self.model = model
-    self._set_dp_options(per_example, physical_batch_size, num_microbatches)
+    self._set_dp_options(per_example, physical_batch_size, num_microbatches,
+                         trust_untagged_batches, public_state, privacy_ledger)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
@@ -532,12 +649,26 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
 
 
 def make_private(model: keras.Model, per_example="auto", physical_batch_size=None,
-                 num_microbatches=None) -> keras.Model:
+                 num_microbatches=None, trust_untagged_batches=False,
+                 public_state=()) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   Functional and Sequential models become a :class:`DPModel` over the same
   graph; subclassed models are wrapped. Training the result updates the
   original model's weights too.
+
+  The privacy ledger stays with ``model``: calling ``make_private`` again on
+  the same Keras model (e.g. fine-tuning the head, then all layers) continues
+  it, and weights that this machine recorded after a private ``fit`` get their
+  ledger back even when reloaded without it (:mod:`tf_dpnsgd.lineage`).
+
+  Args:
+    trust_untagged_batches: accept untagged batches from a user pipeline
+      (not from ``plan.dataset`` nor in-memory arrays); the report then lists
+      the unverified assumption "each example at most once per batch and per
+      epoch" as not covered.
+    public_state: names of layers whose data-derived state (e.g. an adapted
+      ``Normalization``) the user declares public; listed by the report.
 
   Raises:
     ValueError: if the model contains a layer that breaks per-example privacy
@@ -550,10 +681,12 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
+  ledger = _ledger_for(model)
+  object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
+  options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
+                 num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
+                 public_state=public_state, privacy_ledger=ledger)
   if inputs is not None and outputs is not None:
-    return DPModel(inputs=inputs, outputs=outputs, name=model.name, per_example=per_example,
-                   physical_batch_size=physical_batch_size, num_microbatches=num_microbatches)
+    return DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
   logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
-  return PrivateModelWrapper(model, per_example=per_example,
-                             physical_batch_size=physical_batch_size,
-                             num_microbatches=num_microbatches, name=f"private_{model.name}")
+  return PrivateModelWrapper(model, name=f"private_{model.name}", **options)

@@ -1,0 +1,169 @@
+"""The host-side guard around Keras' train function: verify the step, or refuse it.
+
+Every call of a DP model's ``train_function`` goes through :func:`wrap`,
+which, before Keras' compiled step runs on any batch:
+
+1. takes notice of a restore of the privacy ledger (:meth:`PrivacyLedger.sync`:
+   a rollback keeps the executed count and moves the noise to a new stream);
+2. takes the call's batches (``steps_per_execution`` of them) from the
+   iterator and reads their sampler tags on the host, in a small function
+   compiled WITHOUT XLA (:func:`make_batch_reader`), together with the
+   optimizer's own step checks (adaptive clipping's count noise);
+3. checks, in Python, that each batch continues the ledger
+   (:meth:`PrivacyLedger.check_batch`: no replay or skip, the same sampler
+   and, for shuffling, the same seed; untagged batches only from in-memory
+   arrays Keras batches itself, or when the user vouched for them);
+4. at the start of every ``fit`` under a multi-worker strategy, checks that
+   all workers hold the same ledger step and sampler seed (a collective);
+5. on the first batch after every ``compile``, probes the forward pass:
+   examples that interact (:mod:`tf_dpnsgd.interaction`);
+6. only then runs the step, and records on the host how far the lineage got.
+
+Why on the host: an in-graph ``tf.debugging.Assert`` orders only what
+depends on it and XLA (``jit_compile=True``) removes it, so a check there
+can silently vanish. Here a failed check raises before any op of the step
+ran: weights, optimizer state, noise stream and ledger are untouched.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dpnsgd import distribution
+from tf_dpnsgd import interaction
+from tf_dpnsgd import ledger as ledger_lib
+
+UNVERIFIED_BATCHES_FLAG = 1  # tf_dpnsgd.coverage.UNVERIFIED_BATCHES
+
+
+class GuardState:
+  """Per-model guard state (plain Python, never saved)."""
+
+  def __init__(self):
+    self.probe_pending = True  # probe the next batch (set again by every compile)
+    self.fit_checks_pending = False  # set by every fit
+    self.batch_source = None  # "arrays" while a fit draws from in-memory arrays
+
+  def untagged_allowed(self, model):
+    """``(allowed, hint, vouched)`` for an untagged batch in the current call."""
+    if self.batch_source == "arrays":
+      return True, "", False
+    if getattr(model, "trust_untagged_batches", False):
+      return True, "", True
+    return False, (" Or, if the pipeline provably yields each example at most once per batch "
+                   "and once per epoch, build the model with trust_untagged_batches=True: the "
+                   "report then lists that assumption as not verified."), False
+
+
+def _tags_row(tags):
+  steps = tf.cast(tags[ledger_lib.DP_STEP_KEY], tf.int64)
+  sampler = tf.cast(tags[ledger_lib.DP_SAMPLER_KEY], tf.int64)
+  seed = tf.cast(tags[ledger_lib.DP_SEED_KEY], tf.int64)
+  kind = tf.cast(tags[ledger_lib.DP_KIND_KEY], tf.int64)
+  kinds = tf.where(tf.equal(tf.reduce_min(kind), tf.reduce_max(kind)), kind[0],
+                   tf.constant(-1, tf.int64))
+  return tf.stack([kinds, tf.reduce_min(steps), tf.reduce_max(steps), tf.reduce_min(sampler),
+                   tf.reduce_max(sampler), tf.reduce_min(seed), tf.reduce_max(seed)])
+
+
+def make_batch_reader(model):
+  """``fn(data) -> per-replica int64[7]`` tag summary, running the optimizer's step checks.
+
+  Compiled without XLA (its assertions run), or run eagerly when the model
+  runs eagerly.
+  """
+  strategy = model.distribute_strategy
+
+  def replica_fn(data):
+    x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    _, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
+    checks = []
+    step_checks = getattr(model.optimizer, "step_checks", None)
+    if step_checks is not None:  # adaptive clipping: 2 sigma_b > sigma for this batch
+      local = denominator is None
+      if local:
+        microbatches = getattr(model, "num_microbatches", None)
+        denominator = (microbatches if microbatches
+                       else tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0])
+      checks = list(step_checks(denominator, local_denominator=local))
+    with tf.control_dependencies(checks):
+      if tags is None:
+        return tf.zeros([7], tf.int64)
+      return tf.identity(_tags_row(tags))
+
+  def read(data):
+    return strategy.run(replica_fn, args=(data,))
+
+  if model.run_eagerly:
+    return read
+  return tf.function(read, jit_compile=False, reduce_retracing=True)
+
+
+def summarize(reader, strategy, data) -> ledger_lib.BatchSummary:
+  """The host's :class:`~tf_dpnsgd.ledger.BatchSummary` of one (possibly distributed) batch."""
+  _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  tagged = isinstance(sample_weight, dict) and ledger_lib.DP_KIND_KEY in sample_weight
+  values = strategy.experimental_local_results(reader(data))
+  if not tagged:
+    return ledger_lib.BatchSummary(False)
+  return ledger_lib.BatchSummary.merge(
+      ledger_lib.BatchSummary(True, *[int(v) for v in np.asarray(t)]) for t in values)
+
+
+def _check_workers(strategy, ledger, summary) -> None:
+  """Scenario: workers resuming from different checkpoints or with different seeds."""
+  if not distribution.is_multi_worker(strategy):
+    return
+  distribution.check_same_on_all_workers(strategy, ledger.steps, "privacy ledger step")
+  distribution.check_same_on_all_workers(strategy, summary.seed_min if summary.tagged else 0,
+                                         "sampler seed (hash)")
+
+
+def _take(iterator, count):
+  stream = iter(iterator)
+  batches = [next(stream)]  # StopIteration: end of the data, as Keras expects
+  for _ in range(count - 1):
+    try:
+      batches.append(next(stream))
+    except StopIteration:
+      break
+  return batches
+
+
+def wrap(model, main):
+  """Returns the guarded train function around Keras' ``main`` (see the module doc)."""
+  state = model._dp_guard
+  ledger = ledger_lib.ledger_of(model)
+  strategy = model.distribute_strategy
+  reader = make_batch_reader(model)
+  probe = interaction.make_probe_function(model)
+
+  def function(iterator):
+    ledger.sync()
+    batches = _take(iterator, max(1, int(model.steps_per_execution)))
+    summaries = [summarize(reader, strategy, data) for data in batches]
+    if state.fit_checks_pending:
+      _check_workers(strategy, ledger, summaries[0])
+      state.fit_checks_pending = False
+    allowed, hint, vouched = state.untagged_allowed(model)
+    for offset, summary in enumerate(summaries):
+      ledger.check_batch(summary, offset, untagged_allowed=allowed, untagged_hint=hint)
+    if state.probe_pending:
+      tested, interacting = probe(batches[0])
+      if any(bool(t) for t in strategy.experimental_local_results(interacting)):
+        raise interaction.ExampleInteractionError(
+            interaction.interaction_message(f"model '{model.name}'"))
+      state.probe_pending = not any(bool(t) for t in strategy.experimental_local_results(tested))
+    if vouched and any(not s.tagged for s in summaries):
+      ledger.add_flags(UNVERIFIED_BATCHES_FLAG)
+    try:
+      return main(batches)
+    finally:
+      ledger.after_steps()
+
+  return function
+
+
+__all__ = ["GuardState", "make_batch_reader", "summarize", "wrap"]
