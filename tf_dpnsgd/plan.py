@@ -48,6 +48,7 @@ from typing import Optional
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks as callbacks_lib
+from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
@@ -66,7 +67,9 @@ class PrivacyPlan:
     noise_multiplier / target_epsilon: exactly one; a target is met by
       calibrating ``sigma`` (bisection to ``calibration_tolerance``).
     accountant, bound, conversion: see :class:`tf_dpnsgd.accounting.AccountingSpec`.
-    seed: sampler seed (``None``: drawn from the OS and recorded). Keep it secret.
+    seed: sampler seed (``None``: drawn from the OS and recorded). Keep it secret: it
+      is left out of ``repr``/``str`` and :meth:`public_dict`; only :meth:`to_dict` /
+      :meth:`to_json` (to rebuild the plan, kept private like a checkpoint) hold it.
     max_batch_size, overflow_probability: Poisson padding (see
       :class:`tf_dpnsgd.sampling.PoissonSampler`).
     calibration_tolerance: absolute tolerance on the calibrated ``sigma``.
@@ -83,7 +86,7 @@ class PrivacyPlan:
   accountant: str = "rdp"
   bound: str = "default"
   conversion: str = "modern"
-  seed: Optional[int] = None
+  seed: Optional[int] = dataclasses.field(default=None, repr=False)  # secret: not in repr
   max_batch_size: Optional[int] = None
   overflow_probability: float = 1e-12
   calibration_tolerance: float = 1e-3
@@ -230,12 +233,15 @@ class PrivacyPlan:
                                   self.accountant, self.bound, self.conversion)
       report = accounting.StepAccountant(spec, self.training_noise_multiplier,
                                          self.delta).report(steps)
-      return dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes))
+      return dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes),
+                                 not_covered=coverage.not_covered(model))
     if steps > self.num_steps:
       notes.append(f"{steps} steps ran, more than the {self.num_steps} planned; the epsilon "
                    "covers all of them.")
     notes.extend(self._adaptive_clipping_notes(model))
-    return self._report(steps, notes)
+    # What the model depends on outside the Gaussian mechanism (tf_dpnsgd.coverage).
+    return dataclasses.replace(self._report(steps, notes),
+                               not_covered=coverage.not_covered(model))
 
   def _adaptive_clipping_notes(self, model) -> list:
     """What the report says about adaptive clipping's count query (if ``model`` used it)."""

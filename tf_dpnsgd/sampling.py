@@ -115,7 +115,8 @@ class Sampler:
   Attributes:
     dataset_size: ``N``.
     batch_size: ``B`` (the expected batch size ``qN`` for Poisson).
-    seed: non-negative int; ``None`` draws one from the OS (recorded here).
+    seed: non-negative int; ``None`` draws one from the OS (recorded here). Secret:
+      not shown by ``repr``/``str``.
     spec: keyword only: the :class:`~tf_dpnsgd.accounting.AccountingSpec` of this
       sampler's batches (a :class:`~tf_dpnsgd.plan.PrivacyPlan` passes its own; same
       sampling, ``N``, ``B``); ``None``: :meth:`accounting_spec` builds one.
@@ -123,7 +124,7 @@ class Sampler:
 
   dataset_size: int
   batch_size: int
-  seed: Optional[int] = None
+  seed: Optional[int] = dataclasses.field(default=None, repr=False)  # secret: not in repr
   spec: Optional[accounting.AccountingSpec] = dataclasses.field(default=None, kw_only=True)
 
   sampling: ClassVar[str] = ""

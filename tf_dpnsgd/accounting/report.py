@@ -24,7 +24,14 @@ from tf_dpnsgd.accounting.validation import (AccountingError, resolve_steps, val
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyReport:
-  """An (epsilon, delta) claim together with everything it assumes."""
+  """An (epsilon, delta) claim together with everything it assumes.
+
+  ``notes`` explain how the number was computed; ``not_covered`` lists what the
+  released model depends on that the Gaussian mechanism does NOT cover (layer
+  state derived from data, steering by unprivatized training metrics, batches
+  taken on trust; see :mod:`tf_dpnsgd.coverage`). An empty ``not_covered`` means
+  nothing is known to be uncovered; a planned report (no model yet) has it empty.
+  """
 
   epsilon: float
   delta: float
@@ -37,6 +44,12 @@ class PrivacyReport:
   notes: tuple = ()
   target_epsilon: Optional[float] = None
   calibration_tolerance: Optional[float] = None
+  not_covered: tuple = ()
+
+  def __post_init__(self):
+    if isinstance(self.not_covered, str):
+      raise TypeError("`not_covered` must be a sequence of sentences, not one string.")
+    object.__setattr__(self, "not_covered", tuple(self.not_covered))
 
   @property
   def epochs(self) -> float:
@@ -65,6 +78,7 @@ class PrivacyReport:
         "dp_event": repr(spec.composed_event(self.noise_multiplier, self.steps)),
         "assumptions": spec.assumptions(),
         "notes": list(self.notes),
+        "not_covered": list(self.not_covered),
     }
     if self.optimal_bound is not None:
       out["optimal_bound"] = self.optimal_bound
@@ -103,6 +117,13 @@ class PrivacyReport:
     ]
     if self.optimal_bound is not None:
       lines.append(f"  * At the optimal order the smaller bound was: {self.optimal_bound}.")
+    if self.not_covered:
+      lines += ["", "Not covered by this epsilon (the released model depends on these "
+                "outside the Gaussian mechanism, or on assumptions the package did not "
+                "verify):"]
+      lines += [f"  * {item}" for item in self.not_covered]
+    else:
+      lines += ["", "Not covered: nothing known."]
     for note in self.notes:
       lines.append(f"Note: {note}")
     return "\n".join(lines)
