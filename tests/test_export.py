@@ -110,7 +110,7 @@ def test_write_privacy_report_adds_versions(tmp_path):
   path = export.write_privacy_report(
       tmp_path, epsilon=np.float32(2.5), delta=1e-5, noise_multiplier=1.1, steps=np.int64(900),
       epsilon_per_epoch=[0.5, 1.0], unbounded=float("inf"), data_seed=3,
-      sampling={"kind": "poisson", "rate": 0.004})
+      sampling={"kind": "poisson", "rate": 0.004}, not_covered=[])
   assert path == os.path.join(tmp_path, "privacy_report.json")
   with open(path) as f:
     report = json.load(f)
@@ -128,6 +128,8 @@ def test_write_privacy_report_adds_versions(tmp_path):
     ({"optimizer": {"noise_seed": 0}}, ValueError, r"report.optimizer.noise_seed"),
     ({"versions": {}}, ValueError, "filled in"),
     ({"model": object()}, TypeError, "report.model has type object"),
+    ({"epsilon": 1.0, "delta": 1e-5}, ValueError, "must say what the epsilon does not cover"),
+    ({"epsilon": 1.0, "not_covered": "one string"}, TypeError, "list of sentences"),
 ])
 def test_write_privacy_report_refuses(tmp_path, fields, error, match):
   with pytest.raises(error, match=match):

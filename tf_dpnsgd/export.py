@@ -304,7 +304,10 @@ def write_privacy_report(path, **fields):
       inf/nan are written as strings), e.g. ``epsilon=``, ``delta=``,
       ``noise_multiplier=``, ``sampling=``, ``steps=``, ``accountant=``.
       A field (or nested key) named ``seed`` or ``*_seed`` other than
-      :data:`PUBLIC_SEED_FIELDS` is refused: the noise seed is secret.
+      :data:`PUBLIC_SEED_FIELDS` is refused: the noise seed is secret. A report
+      with an ``epsilon`` must carry ``not_covered`` (a list; empty when nothing
+      is known, see :mod:`tf_dpnsgd.coverage`): an epsilon published without
+      what it does not cover is refused.
 
   Returns:
     The path written.
@@ -314,6 +317,14 @@ def write_privacy_report(path, **fields):
     path = os.path.join(path, REPORT_FILE)
   if "versions" in fields:
     raise ValueError("`versions` is filled in by write_privacy_report; do not pass it.")
+  if fields.get("epsilon") is not None and "not_covered" not in fields:
+    raise ValueError(
+        "A privacy report with an epsilon must say what the epsilon does not cover: pass "
+        "not_covered=... (PrivacyReport.not_covered or RunRecord.not_covered, from "
+        "plan.report(model); an empty list says nothing is known). Writing "
+        "RunRecord.to_dict() does this.")
+  if isinstance(fields.get("not_covered"), str):
+    raise TypeError("`not_covered` must be a list of sentences, not one string.")
   report = _jsonable(dict(fields), "report")
   report["versions"] = package_versions()
   parent = os.path.dirname(path)

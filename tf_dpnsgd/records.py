@@ -24,6 +24,11 @@ private run, infinite epsilon          ``None`` and a note saying so (JSON has n
 older files: ``"inf"`` / ``"nan"``     read as ``None``
 =====================================  ==================================================
 
+``not_covered`` (always written, a list) is the accounting report's field of that
+name: what the released model depends on outside the Gaussian mechanism
+(:mod:`tf_dpnsgd.coverage`); older files without it are read with ``()`` (they
+did not record it). :meth:`RunRecord.epsilon_text` says when it is not empty.
+
 ``best_val_accuracy`` is ``None`` when no validation accuracy was recorded
 (older files hold the string ``"nan"``). Non-finite floats in
 ``final_metrics`` are written as strings (``"nan"``) and read back as floats.
@@ -95,6 +100,9 @@ class RunRecord:
     accounting: the accounting report's other keys (:data:`ACCOUNTING_KEYS`):
       sampling, accountant, bound, conversion, assumptions, dp_event, ...
     notes: remarks on the claim (from the accounting report, or why there is none).
+    not_covered: what the released model depends on that the epsilon does not cover
+      (:attr:`tf_dpnsgd.accounting.PrivacyReport.not_covered`); empty for a non-private
+      run (it has no claim at all) and for records written before the field existed.
     extra: other fields (``dataset``, ``model``, ``versions``, ...).
   """
 
@@ -110,6 +118,7 @@ class RunRecord:
   accounting: dict = dataclasses.field(default_factory=dict)
   notes: tuple = ()
   extra: dict = dataclasses.field(default_factory=dict)
+  not_covered: tuple = ()
 
   def __post_init__(self):
     clash = ((set(self.accounting) | set(self.extra)) & _FIELD_NAMES) | (
@@ -121,6 +130,9 @@ class RunRecord:
     self._set("steps", int(self.steps))
     self._set("dataset_size", int(self.dataset_size))
     self._set("notes", tuple(self.notes))
+    if isinstance(self.not_covered, str):
+      raise TypeError("`not_covered` must be a sequence of sentences, not one string.")
+    self._set("not_covered", tuple(self.not_covered))
     self._set("best_val_accuracy", _finite_or_none(self.best_val_accuracy))
     if not self.private:
       if self.epsilon is not None or self.delta is not None or self.noise_multiplier is not None:
@@ -148,7 +160,8 @@ class RunRecord:
     return cls(private=True, steps=d["steps"], dataset_size=d["dataset_size"],
                epsilon=d.get("epsilon"), delta=d.get("delta"),
                accounting={k: d[k] for k in ACCOUNTING_KEYS if k in d},
-               notes=tuple(d.get("notes", ())), **fields)
+               notes=tuple(d.get("notes", ())), not_covered=tuple(d.get("not_covered", ())),
+               **fields)
 
   @classmethod
   def non_private(cls, steps: int, dataset_size: int, **fields) -> "RunRecord":
@@ -170,6 +183,7 @@ class RunRecord:
         "delta": self.delta,
         "noise_multiplier": self.noise_multiplier,
         "notes": list(self.notes),
+        "not_covered": list(self.not_covered),
     }
     out.update(self.accounting)
     out.update(self.extra)
@@ -185,6 +199,7 @@ class RunRecord:
     d = dict(d)
     private = bool(d.pop("private", True))
     notes = d.pop("notes", [])
+    not_covered = d.pop("not_covered", None)  # absent in records older than the field
     note = d.pop("note", None)  # older non-private records
     if note is not None:
       notes = list(notes) + [note]
@@ -196,7 +211,7 @@ class RunRecord:
       fields.update(privacy)
     return cls(private=private, steps=d.pop("steps"), dataset_size=d.pop("dataset_size"),
                accounting={k: d.pop(k) for k in ACCOUNTING_KEYS if k in d},
-               notes=tuple(notes), extra=d, **fields)
+               notes=tuple(notes), extra=d, not_covered=tuple(not_covered or ()), **fields)
 
   @classmethod
   def from_json(cls, text: str) -> "RunRecord":
@@ -217,10 +232,15 @@ class RunRecord:
     return self.final_metrics.get(name, default)
 
   def epsilon_text(self) -> str:
-    """``"epsilon 3.999 (delta 1e-05)"``, or ``"non-private (no privacy guarantee)"``."""
+    """``"epsilon 3.999 (delta 1e-05)"``, or ``"non-private (no privacy guarantee)"``;
+    ``"...; NOT covered by it: 2 items (not_covered)"`` when :attr:`not_covered` lists any."""
     if not self.private or self.epsilon is None:
       return "non-private (no privacy guarantee)"
-    return f"epsilon {self.epsilon:.4g} (delta {self.delta:g})"
+    text = f"epsilon {self.epsilon:.4g} (delta {self.delta:g})"
+    if self.not_covered:
+      n = len(self.not_covered)
+      text += f"; NOT covered by it: {n} item{'s' if n > 1 else ''} (not_covered)"
+    return text
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(RunRecord))

@@ -20,7 +20,8 @@ A run with ``model_dir`` writes there:
 * ``tensorboard/``: the same scalars for TensorBoard;
 * ``privacy_report.json``: the run's :class:`~tf_dpnsgd.records.RunRecord`
   (epsilon, delta, noise multiplier, sampling, accountant, steps, dataset
-  size, hyperparameters, final metrics) and package versions.
+  size, hyperparameters, final metrics, ``not_covered``: what the model depends on
+  outside the Gaussian mechanism, see :mod:`tf_dpnsgd.coverage`) and package versions.
 
 Seeds. ``--seed`` fixes only what is public: initialisation and data order
 (the non-private shuffle, augmentation, dropout masks). The DP noise and the
@@ -454,7 +455,12 @@ def public_plan(plan: PrivacyPlan) -> dict:
 
 
 class _EpochRecorder(keras.callbacks.Callback):
-  """Adds ``learning_rate`` to the logs and appends each epoch to ``history.json``."""
+  """Adds ``learning_rate`` to the logs and appends each epoch to ``history.json``.
+
+  ``history.json`` holds the exact (unprivatized) training loss and accuracy: keep
+  ``model_dir`` private (tf_dpnsgd.coverage.steering_callbacks)."""
+
+  dp_observes_only = True  # records; never changes training
 
   def __init__(self, path: Optional[str], history: dict, print_fn=None):
     super().__init__()
@@ -485,6 +491,8 @@ def steps_of(model) -> int:
 
 
 class _StopAtStep(keras.callbacks.Callback):
+  dp_observes_only = True  # stops at a public step count, not on a metric
+
   def __init__(self, max_steps: int):
     super().__init__()
     self.max_steps = max_steps
@@ -525,6 +533,8 @@ class StepProgbar(keras.callbacks.ProgbarLogger):
   each epoch's target is ``min(steps_per_epoch, steps left)`` and the bar is
   finalized at the steps run.
   """
+
+  dp_observes_only = True  # displays; never changes training
 
   def __init__(self, start_step: int, total_steps: int):
     super().__init__()
