@@ -198,6 +198,7 @@ class PrivacyLedger(keras.layers.Layer):
       self._vars[name] = self.add_weight(shape=(), dtype=dtypes.get(name, "int64"),
                                          initializer=init, trainable=False, name=name,
                                          aggregation="only_first_replica")
+      setattr(self, f"_var_{name}", self._vars[name])  # a tf.train.Checkpoint dependency
     self._vars["lineage"].assign(_random_lineage())
     self._snapshot = None
     self.built = True

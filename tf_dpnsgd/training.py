@@ -246,6 +246,11 @@ class _DPTrainer:
       children["privacy_ledger"] = self.privacy_ledger
     return children
 
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    if name == "privacy_ledger":  # tf.train.Checkpoint restores into this model's ledger
+      return self.privacy_ledger
+    return super()._lookup_dependency(name, cached_dependencies)
+
   @property
   def physical_batch_size(self):
     return self._dp_physical_batch_size
