@@ -83,7 +83,7 @@ def test_batch_centring_layer_is_refused_before_any_update(engine, jit):
   assert "contrastive" in str(info.value) and "interact" in str(info.value)
   assert_unchanged(before, m)  # weights, ledger and optimizer.iterations: no step ran
   with pytest.raises(ExampleInteractionError):  # still refused on the next attempt
-    m.train_on_batch(x[:8], y[:8])
+    m.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
   assert_unchanged(before, m)
 
 
@@ -119,11 +119,11 @@ def test_dense_dropout_norm_model_is_accepted(engine):
   m.compile(optimizer=dpnsgd(), loss=XENT)
   before = m.get_weights()
   m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-  assert m._dp_interaction_guard.pending is False  # probed, passed
+  assert m._dp_guard.probe_pending is False  # probed, passed
   assert int(m.optimizer.iterations.numpy()) == 4
   assert any(not np.allclose(a, b) for a, b in zip(before, m.get_weights()))
   m.compile(optimizer=dpnsgd(), loss=XENT)  # every compile probes again
-  assert m._dp_interaction_guard.pending is True
+  assert m._dp_guard.probe_pending is True
 
 
 def test_integer_tokens_and_dict_inputs_are_accepted():
@@ -139,7 +139,7 @@ def test_integer_tokens_and_dict_inputs_are_accepted():
   m = tf_dpnsgd.DPModel({"tokens": tokens, "feats": feats}, keras.layers.Dense(2)(h))
   m.compile(optimizer=dpnsgd(), loss=XENT)
   m.fit(x, y, batch_size=8, epochs=1, verbose=0)
-  assert m._dp_interaction_guard.pending is False
+  assert m._dp_guard.probe_pending is False
 
   # The same inputs with a batch-mixing op after the embedding are refused.
   mixed = keras.layers.Lambda(centre)(keras.layers.Embedding(20, 4)(tokens))
@@ -174,7 +174,7 @@ def test_padding_rows_contribute_exactly_zero(engine):
   results = []
   x_other, y_other = np.repeat(x[3:4], 12, 0), 1 - y  # padding = a different example
   for xs, ys in ((x, y), (x_bad, y_bad), (x_other, y_other)):
-    m = model(per_example=engine, dropout=0.3)
+    m = model(per_example=engine, dropout=0.3, trust_untagged_batches=True)  # hand-made batch
     m.compile(optimizer=dpnsgd(), loss=XENT)
     xs = np.where(mask[:, None], x, xs)  # valid rows always identical
     ys = np.where(mask, y, ys)
@@ -189,7 +189,7 @@ def test_padding_rows_contribute_exactly_zero(engine):
 def test_padding_rows_reaching_valid_rows_are_refused():
   x, y = data(12)
   mask = np.arange(12) < 7
-  m = model(mix=True, per_example="layerwise")
+  m = model(mix=True, per_example="layerwise", trust_untagged_batches=True)  # hand-made batch
   m.compile(optimizer=dpnsgd(), loss=XENT)
   before = state(m)
   batch = (x, y, {"dp_mask": mask, "dp_denominator": np.float32(7.0)})
@@ -293,7 +293,7 @@ DISTRIBUTED = textwrap.dedent("""
         inp = keras.Input((5,)); h = keras.layers.Dense(4)(inp)
         if mix:
           h = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(h)
-        m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(h))
+        m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(h), trust_untagged_batches=True)
         m.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01,
                                              noise_multiplier=0.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

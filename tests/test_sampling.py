@@ -203,7 +203,7 @@ def test_nested_inputs():
   s = sampling.UniformSampler(n, 8, seed=0)
   xb, yb, tags = next(iter(s.dataset(inputs, y)))
   idx = s.indices(0)
-  assert set(tags) == {"dp_kind", "dp_step", "dp_sampler"}
+  assert set(tags) == {"dp_kind", "dp_step", "dp_sampler", "dp_seed"}
   np.testing.assert_array_equal(tags["dp_step"].numpy(), np.zeros(8))
   np.testing.assert_array_equal(xb["b"].numpy(), inputs["b"][idx])
   np.testing.assert_array_equal(yb.numpy(), y[idx])
@@ -215,7 +215,8 @@ def test_nested_inputs():
 def _one_step(batch, seed=0):
   keras.utils.set_random_seed(seed)
   inp = keras.Input((3,))
-  model = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+  model = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp),
+                            trust_untagged_batches=True)  # some batches are made by hand
   model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.5, l2_norm_clip=1.0,
                                           noise_multiplier=0.0, seed=0),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

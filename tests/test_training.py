@@ -201,7 +201,7 @@ def test_tf_data_and_sequential_and_subclassed():
 
   for base in (seq, Sub()):
     base(x[:1])
-    model = tf_dpnsgd.make_private(base)
+    model = tf_dpnsgd.make_private(base, trust_untagged_batches=True)  # a user pipeline
     model.compile(optimizer=tf_dpnsgd.DPAdam(learning_rate=0.01, l2_norm_clip=1.0,
                                              noise_multiplier=0.5, seed=0),
                   loss=XENT, metrics=["accuracy"])
@@ -247,7 +247,7 @@ def test_padded_rows_do_not_count_in_metrics_or_loss():
   real = np.arange(16) < 10
   y_noisy = y.copy()
   y_noisy[~real] = 1 - y_noisy[~real]  # padding rows would change accuracy if counted
-  model = tf_dpnsgd.make_private(mlp(seed=3))
+  model = tf_dpnsgd.make_private(mlp(seed=3), trust_untagged_batches=True)  # hand-made batch
   model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.0 + 1e-9, l2_norm_clip=1.0,
                                           noise_multiplier=0.0), loss=XENT, metrics=["accuracy"])
   ds = tf.data.Dataset.from_tensors(
