@@ -141,6 +141,8 @@ def test_resuming_a_shuffle_run_with_a_new_seed_is_refused(tmp_path):
   assert resumed.privacy_ledger.steps == 2
   fit_steps(resumed, plan_("shuffle", seed=11), x, y, 3)  # the original seed continues
   assert resumed.privacy_ledger.steps == 5
+  fit_steps(resumed, plan_("shuffle"), x, y, 2)  # a new epoch may start with a new seed
+  assert resumed.privacy_ledger.steps == 7
 
 
 def test_poisson_steps_are_independent_so_a_fresh_seed_may_resume():

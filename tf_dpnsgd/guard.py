@@ -62,14 +62,15 @@ def _tags_row(tags):
   sampler = tf.cast(tags[ledger_lib.DP_SAMPLER_KEY], tf.int64)
   seed = tf.cast(tags[ledger_lib.DP_SEED_KEY], tf.int64)
   kind = tf.cast(tags[ledger_lib.DP_KIND_KEY], tf.int64)
+  period = tf.reduce_max(tf.cast(tags[ledger_lib.DP_PERIOD_KEY], tf.int64))
   kinds = tf.where(tf.equal(tf.reduce_min(kind), tf.reduce_max(kind)), kind[0],
                    tf.constant(-1, tf.int64))
   return tf.stack([kinds, tf.reduce_min(steps), tf.reduce_max(steps), tf.reduce_min(sampler),
-                   tf.reduce_max(sampler), tf.reduce_min(seed), tf.reduce_max(seed)])
+                   tf.reduce_max(sampler), tf.reduce_min(seed), tf.reduce_max(seed), period])
 
 
 def make_batch_reader(model):
-  """``fn(data) -> per-replica int64[7]`` tag summary, running the optimizer's step checks.
+  """``fn(data) -> per-replica int64[8]`` tag summary, running the optimizer's step checks.
 
   Compiled without XLA (its assertions run), or run eagerly when the model
   runs eagerly.
@@ -90,7 +91,7 @@ def make_batch_reader(model):
       checks = list(step_checks(denominator, local_denominator=local))
     with tf.control_dependencies(checks):
       if tags is None:
-        return tf.zeros([7], tf.int64)
+        return tf.zeros([8], tf.int64)
       return tf.identity(_tags_row(tags))
 
   def read(data):

@@ -54,7 +54,8 @@ Batch tags. A sampler's batch is ``(x, y, tags)`` with ``tags`` a dict of
 per-row tensors (per row so that ``tf.distribute`` can split them):
 ``dp_kind`` (:data:`KIND_CODES`), ``dp_step`` (the sampler's step ``t``),
 ``dp_sampler`` (:func:`sampler_fingerprint`), ``dp_seed``
-(:func:`seed_hash` of the sampler seed); Poisson only (and padded batches):
+(:func:`seed_hash` of the sampler seed), ``dp_period`` (steps per epoch of
+a shuffle sampler, 0 otherwise); Poisson only (and padded batches):
 ``dp_mask`` and ``dp_denominator``.
 
 Formal guarantee of the host checks (:meth:`PrivacyLedger.check_batch`): a
@@ -65,8 +66,9 @@ step runs only if
    announced it with :meth:`PrivacyLedger.expect`);
 2. tagged batches: every row's ``dp_step`` equals ``steps`` (no replay, no
    skip), the sampler fingerprint equals the ledger's, and, for ``shuffle``
-   batches, the sampler seed hash equals the ledger's (a new seed would be a
-   new permutation: examples twice in one epoch). Poisson and uniform steps
+   batches within an epoch, the sampler seed hash equals the ledger's (a new
+   seed would be a new permutation: examples twice in one epoch; a new epoch
+   may start with a new seed). Poisson and uniform steps
    are independent draws whatever the seed, so a resume with a fresh seed is
    accepted there;
 3. untagged batches: only from in-memory arrays that Keras itself batches
@@ -96,7 +98,8 @@ DP_KIND_KEY = "dp_kind"
 DP_STEP_KEY = "dp_step"
 DP_SAMPLER_KEY = "dp_sampler"
 DP_SEED_KEY = "dp_seed"
-TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY)
+DP_PERIOD_KEY = "dp_period"
+TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY)
 BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
@@ -162,6 +165,7 @@ class BatchSummary:
   sampler_max: int = 0
   seed_min: int = 0
   seed_max: int = 0
+  period: int = 0
 
   @classmethod
   def merge(cls, summaries) -> "BatchSummary":
@@ -176,7 +180,7 @@ class BatchSummary:
     return cls(True, kind, min(s.step_min for s in summaries),
                max(s.step_max for s in summaries), min(s.sampler_min for s in summaries),
                max(s.sampler_max for s in summaries), min(s.seed_min for s in summaries),
-               max(s.seed_max for s in summaries))
+               max(s.seed_max for s in summaries), max(s.period for s in summaries))
 
 
 class PrivacyLedger(keras.layers.Layer):
@@ -401,7 +405,8 @@ class PrivacyLedger(keras.layers.Layer):
     if summary.seed_min != summary.seed_max:
       raise LedgerMismatchError("tf_dpnsgd: the rows of this batch come from samplers with "
                                 "different seeds.")
-    if (KIND_NAMES[kind] == "shuffle" and state["sampler_seed_hash"] not in
+    mid_epoch = summary.period > 0 and steps % summary.period != 0
+    if (KIND_NAMES[kind] == "shuffle" and mid_epoch and state["sampler_seed_hash"] not in
         (0, summary.seed_min)):
       raise LedgerMismatchError(
           "tf_dpnsgd: this shuffle batch comes from a sampler with another seed than the steps "
@@ -486,6 +491,7 @@ def parse_batch_weights(sample_weight):
 
 
 __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
+           "DP_PERIOD_KEY",
            "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
            "sampler_fingerprint", "seed_hash"]

@@ -289,6 +289,7 @@ class Sampler:
     kind = ledger_lib.KIND_CODES[self.sampling]
     fingerprint = self.fingerprint
     seed_tag = self.seed_hash
+    period = self.tag_period
 
     def gather(step, idx, mask):
       xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
@@ -296,7 +297,8 @@ class Sampler:
       tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
               ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
               ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64)),
-              ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64))}
+              ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64)),
+              ledger_lib.DP_PERIOD_KEY: tf.fill([rows], tf.constant(period, tf.int64))}
       if with_mask:
         tags[DP_MASK_KEY] = mask
         # Per row (all equal), so that tf.distribute can split it with the batch.
@@ -332,13 +334,19 @@ class Sampler:
     """:func:`tf_dpnsgd.ledger.seed_hash` of the secret seed (the ledger keeps the hash)."""
     return ledger_lib.seed_hash(self.seed)
 
+  @property
+  def tag_period(self) -> int:
+    """Steps per epoch for shuffling (the ledger lets a new seed start only a new epoch), else 0."""
+    return self.steps_per_epoch if self.sampling == "shuffle" else 0
+
   def tags(self, step: int, rows: int) -> dict:
     """The per-row tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`)."""
     return {ledger_lib.DP_KIND_KEY: np.full([rows], ledger_lib.KIND_CODES[self.sampling],
                                             np.int32),
             ledger_lib.DP_STEP_KEY: np.full([rows], step, np.int64),
             ledger_lib.DP_SAMPLER_KEY: np.full([rows], self.fingerprint, np.int64),
-            ledger_lib.DP_SEED_KEY: np.full([rows], self.seed_hash, np.int64)}
+            ledger_lib.DP_SEED_KEY: np.full([rows], self.seed_hash, np.int64),
+            ledger_lib.DP_PERIOD_KEY: np.full([rows], self.tag_period, np.int64)}
 
   @property
   def denominator(self) -> float:
