@@ -170,7 +170,8 @@ def test_summary_of_recorded_private_and_non_private_cells(tmp_path):
   assert rows[dp.name]["epsilon"] == pytest.approx(report.epsilon)
   printed = []
   summary = sweeps.summarize(opts, [dp, sgd], print_fn=printed.append)
-  assert summary["finished"] == 2 and summary["whole_sweep"]["runs"] == 1
+  assert summary["finished"] == 2 and summary["whole_sweep"]["runs"] == 2
+  assert summary["whole_sweep"]["private"] is False  # the sgd cell: see test_coverage
   assert any("one run epsilon" in line for line in printed)
   results = strict_json(tmp_path / "results.json")
   assert {c["optimizer"]: c["epsilon"] for c in results["cells"]}["sgd"] is None
@@ -180,6 +181,113 @@ def test_summary_of_recorded_private_and_non_private_cells(tmp_path):
   assert csv_rows["sgd"]["epsilon"] == "" and csv_rows["sgd"]["private"] == "False"
   sgd_png = next(p for p in summary["heatmaps"] if p.endswith("optimizer_sgd.png"))
   assert plots.read_annotations(sgd_png)["panels"][0]["title"] == "non-private"
+
+
+def heatmap_title(path):
+  from PIL import Image
+  with Image.open(path) as image:
+    return image.text.get("Title", "")
+
+
+def write_dp_and_sgd_cells(opts, cells):
+  """Each cell's record: DP-NSGD cells share one report (sigma 1.5, 8 Poisson steps of
+  B=50 out of N=200); sgd cells are non-private."""
+  run = {"final_metrics": {"accuracy": 0.5, "loss": 1.0}, "best_val_accuracy": 0.6}
+  report = accounting.compute_epsilon(200, 50, 1.5, 1e-5, "poisson", steps=8)
+  for cell in cells:
+    if cell.get("optimizer", "dpnsgd") == "sgd":
+      record = RunRecord.non_private(steps=8, dataset_size=200,
+                                     hyperparameters={"optimizer": "sgd"}, **run)
+    else:
+      record = RunRecord.from_privacy_report(report, hyperparameters={"optimizer": "dpnsgd"},
+                                             **run)
+    write_cell(opts, cell, record)
+
+
+def test_a_sweep_with_a_non_private_cell_is_not_private_as_a_whole(tmp_path):
+  """Issue 19, scenario 10: a grid optimizer=dpnsgd,sgd used to print "Whole sweep: 2 runs
+  released, naive composition epsilon ..." although the sgd runs, trained on the same data
+  without noise, are released with it. Printed summary, report.json/.md and every heatmap
+  must say NOT private; the private runs' own composition is kept apart (oracle: two
+  identical Poisson runs of 8 steps compose to one run of 16 steps)."""
+  import re
+  axes = (sweeps.Axis.parse("optimizer=dpnsgd,sgd"), sweeps.Axis.parse("learning_rate=0.5,2"))
+  cells = sweeps.expand_grid(axes)
+  sgd = sorted(c.name for c in cells if c.get("optimizer") == "sgd")
+  two_runs = accounting.compute_epsilon(200, 50, 1.5, 1e-5, "poisson", steps=16).epsilon
+
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path / "by_optimizer"),
+                             axes=axes, fixed=(("target_epsilon", "4"),), curves=("none",))
+  write_dp_and_sgd_cells(opts, cells)
+  printed = []
+  summary = sweeps.summarize(opts, cells, print_fn=printed.append)
+  text = "\n".join(printed)
+  assert "Whole sweep: NOT PRIVATE (epsilon = infinity)" in text
+  assert not re.search(r"Whole sweep: \d+ runs released", text)
+  whole = summary["whole_sweep"]
+  assert whole["private"] is False and whole["epsilon"] is None and summary["private"] is False
+  assert sorted(whole["non_private_cells"]) == sgd and whole["runs"] == 4
+  assert "naive_composition" not in whole  # no finite number where one would read it
+  assert whole["private_runs_only"]["naive_composition"]["epsilon"] == pytest.approx(
+      two_runs, rel=1e-6)
+  on_disk = strict_json(tmp_path / "by_optimizer" / "report.json")
+  assert on_disk["whole_sweep"]["private"] is False and on_disk["whole_sweep"]["epsilon"] is None
+  with open(tmp_path / "by_optimizer" / "report.md") as f:
+    assert "Whole sweep: NOT PRIVATE" in f.read()
+  assert len(summary["heatmaps"]) == 2
+  for path in summary["heatmaps"]:  # the DP-NSGD figure too: it is released with the sgd one
+    assert heatmap_title(path).endswith(sweeps.figures.NOT_PRIVATE_SUFFIX)
+
+  # One panel holding both kinds (optimizer on the x axis): the panel itself says so.
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path / "mixed_panel"), axes=axes,
+                             fixed=(("target_epsilon", "4"),), curves=("none",),
+                             x_axis=("optimizer",))
+  write_dp_and_sgd_cells(opts, cells)
+  printed = []
+  summary = sweeps.summarize(opts, cells, print_fn=printed.append)
+  (entry,) = summary["panels"]
+  assert sorted(entry["non_private_cells"]) == sgd
+  assert any(line.startswith("* NOT private: this panel") for line in printed)
+  (png,) = summary["heatmaps"]
+  assert plots.read_annotations(png)["panels"][0]["title"].startswith("NOT private")
+
+  # All cells private: the whole sweep's epsilon is the composition (same oracle).
+  dp_axes = (sweeps.Axis.parse("learning_rate=0.5,2"),)
+  opts = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path / "private"), axes=dp_axes,
+                             fixed=(("target_epsilon", "4"),), curves=("none",))
+  dp_cells = sweeps.expand_grid(dp_axes)
+  write_dp_and_sgd_cells(opts, dp_cells)
+  printed = []
+  summary = sweeps.summarize(opts, dp_cells, print_fn=printed.append)
+  assert summary["whole_sweep"]["private"] is True and summary["private"] is True
+  assert summary["whole_sweep"]["epsilon"] == pytest.approx(two_runs, rel=1e-6)
+  assert any(line.startswith("Whole sweep: 2 runs released") for line in printed)
+  assert not heatmap_title(summary["heatmaps"][0]).endswith(sweeps.figures.NOT_PRIVATE_SUFFIX)
+
+
+def test_sweep_curves_show_test_metrics_unless_training_metrics_are_asked_for(tmp_path):
+  """Issue 19, scenario 13: the training loss/accuracy in a cell's history are exact,
+  unprivatized training-set metrics; curves.png draws only val_* unless
+  --plot_training_metrics, and the report says which."""
+  axes = (sweeps.Axis.parse("learning_rate=0.5,2"),)
+  cells = sweeps.expand_grid(axes)
+  history = {"epoch": [1, 2], "loss": [0.9, 0.5], "accuracy": [0.6, 0.8],
+             "val_loss": [1.0, 0.7], "val_accuracy": [0.5, 0.7]}
+  drawn = {}
+  for asked in (False, True):
+    opts = sweeps.SweepOptions(base="mnist", sweep_dir=str(tmp_path / str(asked)), axes=axes,
+                               fixed=(("target_epsilon", "4"),), curves=("best",),
+                               plot_training_metrics=asked)
+    write_dp_and_sgd_cells(opts, cells)
+    for cell in cells:
+      with open(os.path.join(sweeps.cell_dir(opts, cell), "history.json"), "w") as f:
+        json.dump(history, f)
+    summary = sweeps.summarize(opts, cells, print_fn=lambda *a: None)
+    drawn[asked] = {key for _, key in plots.read_annotations(summary["curves"]["path"])["curves"]}
+    assert any(("UNPRIVATIZED" in a or "unprivatized" in a) and "curves.png" in a
+               for a in summary["assumptions"])
+  assert drawn[False] == {"val_loss", "val_accuracy"}
+  assert drawn[True] == {"loss", "accuracy", "val_loss", "val_accuracy"}
 
 
 # ---------------------------------------------------------------------------
@@ -324,7 +432,9 @@ def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
   args = ["--base=quickstart", "--fixed=epochs=2", "--grid=optimizer=dpnsgd,sgd", "--dry_run"]
   out = run_sweep(*args, f"--sweep_dir={tmp_path}/dry")
   assert "non-private" in out
+  assert "NOT private as a whole" in out  # issue 19, scenario 10
   plan = strict_json(tmp_path / "dry" / "plan.json")
+  assert plan["private"] is False
   rows = {c["optimizer"]: c for c in plan["cells"]}
   assert rows["sgd"]["epsilon"] is None and rows["sgd"]["private"] is False
   assert 0 < rows["dpnsgd"]["epsilon"] <= 4.0 + 1e-9  # the quickstart's default target
@@ -355,7 +465,10 @@ def test_sweep_with_a_non_private_cell(tmp_path):
   assert {c["optimizer"]: c["epsilon"] for c in results["cells"]}["sgd"] is None
   report = strict_json(sweep_dir / "report.json")
   assert report["finished"] == 2 and len(report["heatmaps"]) == 2
-  assert report["whole_sweep"]["runs"] == 1  # only the private cell is accounted
+  whole = report["whole_sweep"]  # the sgd run makes the sweep non-private (issue 19, #10)
+  assert whole["private"] is False and whole["epsilon"] is None and whole["runs"] == 2
+  assert whole["private_runs_only"]["runs"] == 1
+  assert "Whole sweep: NOT PRIVATE" in out
   for path in report["heatmaps"]:
     assert os.path.getsize(path) > 5000
   sgd_png = next(p for p in report["heatmaps"] if p.endswith("optimizer_sgd.png"))

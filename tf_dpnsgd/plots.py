@@ -134,8 +134,14 @@ def read_annotations(path: str) -> dict:
   return json.loads(text)
 
 
-def training_curves(path: str, histories: dict, title: Optional[str] = None) -> None:
-  """Loss and accuracy per epoch (train solid, test dashed) of several runs.
+def training_curves(path: str, histories: dict, title: Optional[str] = None,
+                    include_training: bool = False) -> list:
+  """Loss and accuracy per epoch of several runs: test (dashed), and train (solid) if asked.
+
+  The training loss and accuracy in a history are EXACT training-set metrics,
+  not privatized: a figure of them publishes information about the training
+  data that no epsilon covers (:mod:`tf_dpnsgd.coverage`). By default only the
+  ``val_*`` (validation/test) curves are drawn.
 
   Args:
     path: PNG to write.
@@ -143,6 +149,11 @@ def training_curves(path: str, histories: dict, title: Optional[str] = None) -> 
       ``history.json`` (``epoch``, ``loss``, ``accuracy``, ``val_loss``,
       ``val_accuracy``; missing keys are skipped).
     title: figure title.
+    include_training: also draw the (unprivatized) training curves.
+
+  Returns:
+    ``[[label, key], ...]``: the curves drawn (also stored in the PNG's
+    :data:`ANNOTATIONS_KEY` text chunk as ``{"curves": ...}``).
   """
   if not histories:
     raise ValueError("No histories to plot.")
@@ -150,23 +161,29 @@ def training_curves(path: str, histories: dict, title: Optional[str] = None) -> 
   fig = Figure(figsize=(11, 4.2), layout="constrained")
   FigureCanvasAgg(fig)
   ax_loss, ax_acc = fig.subplots(1, 2)
+  splits = (("", "-", " (train, unprivatized)"),) if include_training else ()
+  splits += (("val_", "--", " (test)"),)
+  drawn = []
   for k, (label, h) in enumerate(histories.items()):
     color = f"C{k % 10}"
     for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-      for prefix, style, suffix in (("", "-", " (train)"), ("val_", "--", " (test)")):
+      for prefix, style, suffix in splits:
         values = h.get(prefix + key)
         if not values:
           continue
         epochs = h.get("epoch") or list(range(1, len(values) + 1))
         ax.plot(epochs, values, style, color=color, marker="o", markersize=3,
                 label=label + suffix)
+        drawn.append([label, prefix + key])
   ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
   ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
   ax_acc.legend(fontsize=7, loc="lower right")
   if title:
     fig.suptitle(title)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, metadata={"Title": title or "",
+                                       ANNOTATIONS_KEY: json.dumps({"curves": drawn})})
+  return drawn
 
 
 __all__ = ["ANNOTATIONS_KEY", "HeatmapPanel", "cell_text", "heatmap", "read_annotations",

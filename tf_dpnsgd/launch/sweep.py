@@ -29,7 +29,8 @@ Written to --sweep_dir: ``sweep.json`` (the definition), ``cells/<cell>/``
 (final and best accuracy, epsilon, sigma, steps per cell), one
 ``heatmap_<figure>.png`` per figure (x: ``regularizer`` or ``l2_norm_clip``,
 y: ``learning_rate`` or ``effective_lr``, one panel per ``target_epsilon``),
-``curves.png`` (loss/accuracy per epoch of the --curves cells), and
+``curves.png`` (test loss/accuracy per epoch of the --curves cells; the
+unprivatized training curves only with --plot_training_metrics), and
 ``report.json`` / ``report.md``: per panel the robustness summary and the
 privacy of tuning (single run, naive composition of all cells, random search
 after Papernot & Steinke 2022; see :mod:`tf_dpnsgd.tuning`).
@@ -84,6 +85,9 @@ flags.DEFINE_integer("cell_timeout", None, "Seconds before a cell run is killed 
 flags.DEFINE_integer("dry_run_dataset_size", None,
                      "Training-set size for --dry_run when the launcher cannot tell.")
 flags.DEFINE_boolean("keep_going", True, "Continue with the next cell after a failed one.")
+flags.DEFINE_boolean("plot_training_metrics", False,
+                     "Also draw the training loss/accuracy in curves.png. Off by default: they "
+                     "are exact, unprivatized training-set metrics that no epsilon covers.")
 
 
 def options_from_flags() -> SweepOptions:
@@ -101,7 +105,7 @@ def options_from_flags() -> SweepOptions:
       tuning_poisson=FLAGS.tuning_poisson, tuning_mean=FLAGS.tuning_mean,
       success_probability=FLAGS.success_probability, cell_seeds=FLAGS.cell_seeds,
       cell_timeout=FLAGS.cell_timeout, dry_run_dataset_size=FLAGS.dry_run_dataset_size,
-      keep_going=FLAGS.keep_going)
+      keep_going=FLAGS.keep_going, plot_training_metrics=FLAGS.plot_training_metrics)
 
 
 # --------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from tf_dpnsgd.sweeps.runner import (cell_record, check_cell_record, check_cells
                                      run_cells)
 from tf_dpnsgd.sweeps.figures import (Panel, arrange_panels, chosen_curve_cells, draw_curves,
                                       draw_heatmaps)
-from tf_dpnsgd.sweeps.report import assumptions, panel_privacy, report_lines, summarize
+from tf_dpnsgd.sweeps.report import (assumptions, panel_privacy, report_lines, summarize,
+                                     whole_sweep_privacy)
 from tf_dpnsgd.sweeps.dry_run import dry_run, plan_cells
 
 __all__ = [
@@ -34,5 +35,5 @@ __all__ = [
     "check_cell_record", "check_cells", "chosen_curve_cells", "draw_curves", "draw_heatmaps",
     "dry_run", "expand_grid", "is_finished", "metric_value", "panel_privacy", "parse_fixed",
     "plan_cells", "read_record", "report_lines", "robustness_summary", "run_cell", "run_cells",
-    "summarize", "write_results",
+    "summarize", "whole_sweep_privacy", "write_results",
 ]

@@ -97,8 +97,14 @@ def dry_run(opts: SweepOptions, cells: Sequence[Cell], configure: Callable, make
     for r in priv["random_search"]:
       line += f"; random search {r['distribution']}: {fmt(r['epsilon'])}"
     print_fn(line)
-  result = {"base": opts.base, "cells": [{k: v for k, v in r.items() if k != "privacy"}
-                                         for r in planned], "panels": panels_out}
+  non_private = [r["cell"] for r in planned if not r.get("private", True)]
+  if non_private:
+    print_fn(f"The sweep includes non-private cells {non_private}: it is NOT private as a "
+             "whole (epsilon = infinity); the epsilons above cover the private cells only if "
+             "nothing of the non-private ones is released.")
+  result = {"base": opts.base, "private": not non_private,
+            "cells": [{k: v for k, v in r.items() if k != "privacy"} for r in planned],
+            "panels": panels_out}
   if opts.sweep_dir:
     os.makedirs(opts.sweep_dir, exist_ok=True)
     with open(os.path.join(opts.sweep_dir, "plan.json"), "w") as f:

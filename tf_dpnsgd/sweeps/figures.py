@@ -80,17 +80,28 @@ def _axis_label(name: Optional[str]) -> str:
 
 
 def _epsilon_label(rows) -> str:
-  """``"epsilon = 2.00"`` when the finished cells share one epsilon (to 0.01), else ``""``."""
+  """``"epsilon = 2.00"`` when the finished cells share one epsilon (to 0.01), else ``""``;
+  ``"non-private"`` when none is private, ``"NOT private (...)"`` when some are not."""
   finished = [r for r in rows if r.get("status") == "finished"]
   if finished and not any(r.get("private", True) for r in finished):
     return "non-private"
+  if any(r.get("private", True) is False for r in finished):
+    return "NOT private (includes non-private cells)"
   values = {round(float(r["epsilon"]), 2) for r in finished if r.get("epsilon") is not None}
   return f"epsilon = {values.pop():.2f}" if len(values) == 1 else ""
 
 
+NOT_PRIVATE_SUFFIX = " [sweep NOT private as a whole: it includes non-private runs]"
+
+
 def draw_heatmaps(opts: SweepOptions, panels: Sequence[Panel], rows_by_name: dict) -> dict:
-  """One PNG per figure, one panel per epsilon; returns ``{path: annotations}``."""
+  """One PNG per figure, one panel per epsilon; returns ``{path: annotations}``.
+
+  When any finished cell of the sweep is non-private, every figure's title ends
+  with :data:`NOT_PRIVATE_SUFFIX` (the figures are released together)."""
   out = {}
+  mixed = any(r.get("status") == "finished" and r.get("private", True) is False
+              for r in rows_by_name.values())
   by_figure = {}
   for p in panels:
     by_figure.setdefault((p.figure, p.x_axis, p.y_axis), []).append(p)
@@ -111,7 +122,7 @@ def draw_heatmaps(opts: SweepOptions, panels: Sequence[Panel], rows_by_name: dic
       label = f"optimizer={optimizers.pop()}" if len(optimizers) == 1 else ""
     out[path] = plots.heatmap(path, drawn, _axis_label(x), _axis_label(y),
                               title=f"{label + ': ' if label else ''}{opts.metric} test "
-                                    "accuracy (%)")
+                                    "accuracy (%)" + (NOT_PRIVATE_SUFFIX if mixed else ""))
   return out
 
 
@@ -136,6 +147,8 @@ def chosen_curve_cells(opts: SweepOptions, panels, cells, rows_by_name) -> list:
 
 
 def draw_curves(opts: SweepOptions, names: Sequence[str]) -> Optional[str]:
+  """``curves.png``: the test curves of the cells ``names`` (and their unprivatized
+  training curves only with ``opts.plot_training_metrics``); ``None`` if no history."""
   histories = {}
   for name in names:
     path = os.path.join(opts.sweep_dir, "cells", name, "history.json")
@@ -144,7 +157,12 @@ def draw_curves(opts: SweepOptions, names: Sequence[str]) -> Optional[str]:
   if not histories:
     return None
   path = os.path.join(opts.sweep_dir, "curves.png")
-  plots.training_curves(path, histories, title="training curves")
+  if opts.plot_training_metrics:
+    title = "train (UNPRIVATIZED training-set metrics) and test curves"
+  else:
+    title = "test loss and accuracy per epoch"
+  plots.training_curves(path, histories, title=title,
+                        include_training=opts.plot_training_metrics)
   return path
 
 

@@ -208,6 +208,7 @@ class SweepOptions:
   cell_timeout: Optional[int] = None
   dry_run_dataset_size: Optional[int] = None
   keep_going: bool = True
+  plot_training_metrics: bool = False
 
   def __post_init__(self):
     if not self.base:

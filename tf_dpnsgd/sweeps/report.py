@@ -5,6 +5,16 @@ Per panel: the robustness summary of its heatmap
 tuning (single run, naive composition of all cells, random search after
 Papernot & Steinke 2022; see :mod:`tf_dpnsgd.tuning`). Written as
 ``report.json`` / ``report.md`` and printed.
+
+A sweep that holds a finished non-private cell (``optimizer=sgd``) is NOT
+private as a whole: that run trained on the same data without noise and its
+accuracy, heatmap and curves are released with the others, so no epsilon
+covers the sweep (:func:`whole_sweep_privacy`: ``"private": false``,
+``"epsilon": null``, i.e. infinite). The private cells' own composition is
+kept apart, under ``private_runs_only``, with the condition under which it
+would hold. Likewise a panel holding a non-private cell lists it
+(``non_private_cells``), and the cells' ``not_covered`` items
+(:mod:`tf_dpnsgd.coverage`) are collected under ``not_covered``.
 """
 
 from __future__ import annotations
@@ -55,6 +65,47 @@ def panel_privacy(opts: SweepOptions, runs: Sequence, near_best_fraction: Option
   return result
 
 
+def whole_sweep_privacy(private_runs: Sequence, non_private_cells: Sequence[str],
+                        cache: Optional[dict] = None) -> Optional[dict]:
+  """The privacy of releasing the whole sweep (every finished cell, its figures and numbers).
+
+  Args:
+    private_runs: ``[{"delta", "privacy": tuning.RunPrivacy}]`` of the finished private cells.
+    non_private_cells: names of the finished non-private cells.
+    cache: memo of RDP curves (see :func:`tf_dpnsgd.tuning.run_rdp`).
+
+  Returns:
+    ``None`` when there is nothing to say (no finished run, or private runs at several
+    deltas and no non-private run); otherwise ``{"private", "epsilon", "runs", ...}``:
+
+    * all finished runs private: ``private`` True, ``epsilon`` the naive composition
+      (also under ``naive_composition``), ``single_run``;
+    * any non-private run: ``private`` False and ``epsilon`` None (infinite: a run
+      without noise has no finite guarantee, and composing it with anything leaves
+      none), ``non_private_cells``, and the private runs' own numbers under
+      ``private_runs_only`` (they hold only if nothing of the non-private runs is
+      released).
+  """
+  non_private_cells = list(non_private_cells)
+  deltas = {r["delta"] for r in private_runs}
+  own = None
+  if private_runs and len(deltas) == 1:
+    whole = tuning.tuning_privacy([r["privacy"] for r in private_runs], deltas.pop(),
+                                  cache=cache)
+    own = {"runs": whole["runs"], "delta": whole["delta"],
+           "naive_composition": whole["naive_composition"], "single_run": whole["single_run"]}
+  if non_private_cells:
+    out = {"private": False, "epsilon": None,
+           "runs": len(private_runs) + len(non_private_cells),
+           "non_private_runs": len(non_private_cells), "non_private_cells": non_private_cells}
+    if own is not None:
+      out["private_runs_only"] = own
+    return out
+  if own is None:
+    return None
+  return {"private": True, "epsilon": own["naive_composition"]["epsilon"], **own}
+
+
 def assumptions(opts: SweepOptions) -> list:
   seeds = ("every cell drew its DP noise and batch-sampler seeds from the OS (independent "
            "runs); " + ("each cell's initialisation had its own random --seed"
@@ -73,6 +124,13 @@ def assumptions(opts: SweepOptions) -> list:
       "The score that selects the best trial is the test accuracy, computed on data outside "
       "the protected training set.",
       f"Seeds: {seeds}.",
+      ("curves.png also shows each chosen cell's training loss and accuracy "
+       "(--plot_training_metrics): exact, unprivatized training-set metrics that NO epsilon "
+       "here covers." if opts.plot_training_metrics else
+       "curves.png shows test metrics only; the cells' history.json files hold the exact, "
+       "unprivatized training metrics: keep them private (no epsilon covers them)."),
+      "A non-private cell (optimizer=sgd) makes the whole sweep non-private: its run trained "
+      "on the same data without noise.",
   ]
 
 
@@ -97,7 +155,9 @@ def summarize(opts: SweepOptions, cells: Sequence[Cell], print_fn=echo) -> dict:
   curve_cells = chosen_curve_cells(opts, panels, cells, rows_by_name)
   report["curves"] = {"path": draw_curves(opts, curve_cells), "cells": curve_cells}
 
-  cache, all_runs = {}, []
+  cache, all_runs, not_covered = {}, [], {}
+  non_private = [r["cell"] for r in finished if r.get("private") is False]
+  report["private"] = not non_private
   for p in panels:
     acc = [[metric_value(rows_by_name[c.name], opts.metric) if c else math.nan for c in row]
            for row in p.cells]
@@ -110,8 +170,13 @@ def summarize(opts: SweepOptions, cells: Sequence[Cell], print_fn=echo) -> dict:
       r = rows_by_name[c.name]
       if r["status"] == "finished":
         record = read_record(opts, c)
+        if record.not_covered:
+          not_covered[c.name] = list(record.not_covered)
         if record.private:
           runs.append({"delta": record.delta, "privacy": tuning.RunPrivacy.from_record(record)})
+    panel_non_private = [c.name for c in p.members() if c.name in non_private]
+    if panel_non_private:
+      entry["non_private_cells"] = panel_non_private
     all_runs += runs
     fraction = None
     if any(math.isfinite(v) for row in acc for v in row):
@@ -129,11 +194,11 @@ def summarize(opts: SweepOptions, cells: Sequence[Cell], print_fn=echo) -> dict:
             f"{missing} cell(s) of this panel did not finish (or are non-private): the numbers "
             "cover the finished private cells only; an unfinished run also spent privacy.")
     report["panels"].append(entry)
-  deltas = {r["delta"] for r in all_runs}
-  if all_runs and len(deltas) == 1:
-    whole = tuning.tuning_privacy([r["privacy"] for r in all_runs], deltas.pop(), cache=cache)
-    report["whole_sweep"] = {"runs": whole["runs"], "naive_composition": whole["naive_composition"],
-                             "single_run": whole["single_run"]}
+  whole = whole_sweep_privacy(all_runs, non_private, cache)
+  if whole is not None:
+    report["whole_sweep"] = whole
+  if not_covered:
+    report["not_covered"] = not_covered
   _write_report(opts, report)
   for line in report_lines(report):
     print_fn(line)
@@ -161,6 +226,10 @@ def report_lines(report: dict) -> list:
           f"{rob['spread_at_best_row']:.1f} points (min {rob['min_at_best_row']:.1f}%); "
           f"cells within {rob['threshold_points']:g} points of the best: {rob['near_best']}/"
           f"{rob['cells']} ({100 * rob['near_best_fraction']:.0f}%).")
+    if e.get("non_private_cells"):
+      lines.append(f"* NOT private: this panel includes non-private cell(s) "
+                   f"{e['non_private_cells']} (trained without noise); no epsilon covers "
+                   "releasing it, and the numbers below are the private cells' only.")
     priv = e.get("privacy")
     if priv:
       lines.append(
@@ -181,15 +250,33 @@ def report_lines(report: dict) -> list:
       for note in priv["notes"]:
         lines.append(f"* note: {note}")
     lines.append("")
-  whole = report.get("whole_sweep")
-  if whole:
-    lines.append(f"Whole sweep: {whole['runs']} runs released, naive composition epsilon "
-                 f"{fmt(whole['naive_composition']['epsilon'])}.")
+  lines += whole_sweep_lines(report.get("whole_sweep"))
+  for cell, items in (report.get("not_covered") or {}).items():
+    lines.append(f"Not covered by cell {cell}'s epsilon: " + " | ".join(items))
   if report.get("heatmaps"):
     lines.append("Heatmaps: " + ", ".join(report["heatmaps"]))
   if report.get("curves", {}).get("path"):
     lines.append(f"Curves: {report['curves']['path']} ({', '.join(report['curves']['cells'])})")
   lines += ["", "Assumptions:"] + [f"* {a}" for a in report["assumptions"]]
+  return lines
+
+
+def whole_sweep_lines(whole: Optional[dict]) -> list:
+  """The summary line(s) of :func:`whole_sweep_privacy`'s result."""
+  if not whole:
+    return []
+  if whole.get("private", True):
+    return [f"Whole sweep: {whole['runs']} runs released, naive composition epsilon "
+            f"{fmt(whole['naive_composition']['epsilon'])}."]
+  n = whole["non_private_runs"]
+  lines = [f"Whole sweep: NOT PRIVATE (epsilon = infinity): {n} of the {whole['runs']} "
+           f"released runs ({', '.join(whole['non_private_cells'])}) trained WITHOUT privacy "
+           "on the same data, so no epsilon covers the sweep's results, figures or models."]
+  own = whole.get("private_runs_only")
+  if own:
+    lines.append(f"  (The {own['runs']} private runs alone: naive composition epsilon "
+                 f"{fmt(own['naive_composition']['epsilon'])}, which holds only if nothing "
+                 "of the non-private runs, not even their accuracy, is released.)")
   return lines
 
 
@@ -201,4 +288,5 @@ def _write_report(opts: SweepOptions, report: dict) -> None:
 
 
 
-__all__ = ["assumptions", "panel_privacy", "report_lines", "summarize"]
+__all__ = ["assumptions", "panel_privacy", "report_lines", "summarize", "whole_sweep_lines",
+           "whole_sweep_privacy"]
