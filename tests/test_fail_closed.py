@@ -178,7 +178,9 @@ def test_untagged_batches_need_an_explicit_opt_in_that_the_ledger_records():
   model = compile_(tf_dpnsgd.make_private(base_model(), trust_untagged_batches=True))
   model.fit(oversampling_pipeline(x, y), epochs=1, verbose=0)
   assert model.privacy_ledger.steps == 6  # 46 rows in batches of 8
-  assert model.privacy_ledger.flags & tf_dpnsgd.guard.UNVERIFIED_BATCHES_FLAG
+  assert model.privacy_ledger.flags & tf_dpnsgd.coverage.UNVERIFIED_BATCHES
+  report = plan_("shuffle").report(model)
+  assert any("at most once per batch" in item for item in report.not_covered)
 
 
 def test_keras_batching_of_in_memory_arrays_is_accepted_and_unflagged():

@@ -31,11 +31,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
 
-UNVERIFIED_BATCHES_FLAG = 1  # tf_dpnsgd.coverage.UNVERIFIED_BATCHES
 
 
 class GuardState:
@@ -158,7 +158,7 @@ def wrap(model, main):
             interaction.interaction_message(f"model '{model.name}'"))
       state.probe_pending = not any(bool(t) for t in strategy.experimental_local_results(tested))
     if vouched and any(not s.tagged for s in summaries):
-      ledger.add_flags(UNVERIFIED_BATCHES_FLAG)
+      ledger.add_flags(coverage.UNVERIFIED_BATCHES)
     try:
       return main(batches)
     finally:

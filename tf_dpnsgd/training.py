@@ -31,6 +31,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import guard as guard_lib
 from tf_dpnsgd import ledger as ledger_lib
@@ -309,6 +310,7 @@ class _DPTrainer:
     if kwargs.get("weighted_metrics"):
       raise ValueError("`weighted_metrics` is not supported: DP training takes no sample weights.")
     validate_layers(self)
+    coverage.check_data_derived_state(self, self._dp_public_state)
     output_names = getattr(self, "output_names", None)
     self._dp_loss_fn = losses_lib.per_example_loss_fn(loss, loss_weights, output_names)
     if not hasattr(self, "_dp_norm_tracker"):
@@ -374,7 +376,16 @@ class _DPTrainer:
       self._record_lineage()
 
   def _note_fit_callbacks(self, callbacks) -> None:
-    """Hook for callbacks that steer training on unprivatized metrics (see coverage)."""
+    """Callbacks that steer training with unprivatized training metrics (early stopping or
+    a learning-rate cut on the training loss) make the released model depend on them: the
+    ledger records it (never cleared) and the report lists it as not covered."""
+    steering = coverage.steering_callbacks(callbacks or [])
+    if steering:
+      self.privacy_ledger.add_flags(coverage.TRAINING_METRIC_CALLBACKS)
+      logging.getLogger(__name__).warning(
+          "tf_dpnsgd: %s read the unprivatized training loss/metrics and steer training; "
+          "the privacy report lists this as not covered by epsilon. Monitor a validation "
+          "metric on public or held-out data instead.", ", ".join(steering))
 
   def _record_lineage(self) -> None:
     ledger = self.privacy_ledger
@@ -682,6 +693,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
   validate_layers(model)
   if isinstance(model, _DPTrainer):
     raise ValueError(f"Model '{model.name}' is already private.")
+  coverage.check_data_derived_state(model, public_state)
   try:
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
