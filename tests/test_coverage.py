@@ -110,12 +110,16 @@ def test_report_names_adapted_state_that_appeared_after_make_private():
   assert "Not covered by this epsilon" in report.statement() and item in report.statement()
 
 
-@pytest.mark.xfail(strict=False, reason="needs the lead's wiring: make_private/compile call "
-                   "coverage.check_data_derived_state(model, public_state)")
-def test_make_private_refuses_an_adapted_normalization():
+def test_make_private_and_compile_refuse_an_adapted_normalization():
   x, _ = data()
   with pytest.raises(ValueError, match=r"layer 'norm'"):
-    compile_dp(tf_dpnsgd.make_private(mlp(adapted_norm(x))))
+    tf_dpnsgd.make_private(mlp(adapted_norm(x)))
+  norm = keras.layers.Normalization(name="norm")
+  norm.build((None, 3))
+  dp = tf_dpnsgd.make_private(mlp(norm))
+  norm.adapt(x)  # after make_private: compile (and the report) still see it
+  with pytest.raises(ValueError, match=r"layer 'norm'"):
+    compile_dp(dp)
 
 
 @pytest.mark.slow
@@ -208,10 +212,15 @@ def test_unknown_non_trainable_state_is_listed_but_seed_state_and_frozen_weights
   found = dict(coverage.data_derived_state(model))
   assert list(found) == ["running"] and "running_mean" in found["running"]
   assert coverage.frozen_layers(model) == ["frozen_dense"]
-  items = coverage.not_covered(tf_dpnsgd.make_private(model))
+  with pytest.raises(ValueError, match="layer 'running'"):
+    tf_dpnsgd.make_private(model)  # refused unless declared
+  items = coverage.not_covered(model)  # what a report of this model would list
   assert any("'running'" in i and "Not declared public" in i for i in items)
   assert any("Frozen weights" in i and "frozen_dense" in i for i in items)
   assert not any("dropout" in i for i in items)
+  items = coverage.not_covered(tf_dpnsgd.make_private(model, public_state=["running"]))
+  assert any("'running'" in i and "declared public" in i and "not verified" in i
+             for i in items)
 
 
 def test_a_model_without_such_state_has_nothing_listed():
@@ -324,8 +333,6 @@ def test_the_launchers_own_callbacks_do_not_steer():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="needs the lead's wiring: fit ORs "
-                   "TRAINING_METRIC_CALLBACKS into the ledger for coverage.steering_callbacks")
 def test_fit_with_a_steering_callback_is_reported():
   x, y = data()
   plan = PrivacyPlan(dataset_size=N, batch_size=16, sampling="poisson", steps=4,
