@@ -28,7 +28,8 @@ from scipy import special, stats
 import tf_dpnsgd
 from tf_dpnsgd import audit
 from tf_dpnsgd import sampling, transforms
-from tf_dpnsgd.audit import bounds, canaries, one_run, scoring
+from tf_dpnsgd.audit import auditor as auditor_lib
+from tf_dpnsgd.audit import bounds, canaries, fdp, measures, one_run, scoring
 from tf_dpnsgd.plan import PrivacyPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- bounds --------------------------------------------------------------------------------
 def test_doctests_of_the_audit_modules():
-  for module in (bounds, one_run, scoring):
+  for module in (auditor_lib, bounds, fdp, measures, one_run, scoring):
     result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0, module.__name__
 
@@ -133,6 +134,266 @@ def test_clopper_pearson_epsilon_worked_by_hand_and_limits():
   assert audit.clopper_pearson_epsilon_lower_bound(0, 0, n, n) == 0.0       # never says "in"
   with pytest.raises(ValueError):
     audit.clopper_pearson_epsilon_lower_bound(1, 0, 0, 10)
+
+
+# --- f-DP one-run bound (Mahloujifar, Melis, Chaudhuri 2025) and the Gaussian curve -------
+def test_gaussian_curve_matches_dp_accounting():
+  """mu(eps, delta) is 1 / dp-accounting's get_sigma_gaussian (an independent implementation
+  of the analytic Gaussian mechanism), and eps(mu, delta) inverts it."""
+  import dp_accounting
+  for eps in (0.1, 1.0, 4.0, 16.0):
+    for delta in (1e-6, 1e-5, 1e-3):
+      sigma = dp_accounting.get_sigma_gaussian(eps, delta)
+      assert fdp.gaussian_dp_mu(eps, delta) == pytest.approx(1 / sigma, rel=1e-6)
+      assert fdp.gaussian_dp_epsilon(1 / sigma, delta) == pytest.approx(eps, rel=1e-6)
+  # delta(eps; mu) at eps = 0 is the total variation of N(0,1) and N(mu,1): 2 Phi(mu/2) - 1.
+  assert fdp.gaussian_dp_delta(1.3, 0.0) == pytest.approx(2 * stats.norm.cdf(0.65) - 1)
+  # The trade-off curve of N(0,1) vs N(mu,1) at the test "x > t": alpha = 1 - Phi(t).
+  t, mu = 0.7, 1.5
+  assert fdp.gaussian_tradeoff(stats.norm.sf(t), mu) == pytest.approx(stats.norm.cdf(t - mu))
+  with pytest.raises(ValueError, match="delta"):
+    fdp.gaussian_dp_mu(1.0, 0.0)
+
+
+def _fdp_rejects_as_published(m, r, v, inverse, tau):
+  """The paper's test written out as published (arrays, no early stop): reject if
+  r_0 + h_0 > r / m, from r_v = tau v / m, h_v = tau (r - v) / m,
+  h_i = max(h_{i+1}, B^-1(r_{i+1})), r_i = r_{i+1} + i / (r - i) (h_i - h_{i+1})."""
+  h, rr = [0.0] * (v + 1), [0.0] * (v + 1)
+  h[v], rr[v] = tau * (r - v) / m, tau * v / m
+  for i in range(v - 1, -1, -1):
+    h[i] = max(h[i + 1], inverse(rr[i + 1]))
+    rr[i] = rr[i + 1] + i / (r - i) * (h[i] - h[i + 1])
+  return rr[0] + h[0] > r / m
+
+
+def _fdp_bound_oracle(m, r, v, delta, confidence=0.95):
+  """Bisection on eps with dp-accounting's sigma and the transcribed test (scipy's normal)."""
+  import dp_accounting
+  tau = 1 - confidence
+
+  def rejected(eps):
+    mu = 1 / dp_accounting.get_sigma_gaussian(eps, delta)
+    return _fdp_rejects_as_published(
+        m, r, v, lambda x: float(stats.norm.cdf(stats.norm.ppf(x) - mu)), tau)
+
+  lo, hi = 1e-3, 32.0
+  if not rejected(lo):
+    return 0.0
+  while hi - lo > 1e-5:
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
+  return lo
+
+
+def test_fdp_test_matches_the_published_procedure():
+  for m, r, v in ((100, 20, 15), (1000, 100, 60), (1000, 300, 165), (1000, 300, 201),
+                  (1000, 500, 500), (5000, 1000, 800)):
+    for mu in (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0):
+      inverse = lambda x, mu=mu: float(stats.norm.cdf(stats.norm.ppf(x) - mu))
+      expected = _fdp_rejects_as_published(m, r, v, inverse, 0.05)
+      got = fdp.fdp_one_run_rejects(m, r, v, lambda x: fdp.gaussian_blow_up_inverse(x, mu),
+                                    0.05)
+      assert got == expected, (m, r, v, mu)
+  for m, r, v, delta in ((1000, 100, 75, 1e-4), (1000, 300, 201, 1e-5), (200, 200, 200, 1e-5)):
+    assert audit.fdp_one_run_epsilon_lower_bound(m, r, v, delta) == pytest.approx(
+        _fdp_bound_oracle(m, r, v, delta), abs=1e-4)
+
+
+def test_fdp_ceilings_and_limits():
+  # The issue's ceilings "5.1 and 9.9 at 1000 perfect guesses": m = 1000 canaries of which
+  # 500 guessed, all correctly (about as many as are in), delta = 1e-5, 95%.
+  assert audit.one_run_epsilon_lower_bound(1000, 500, 500, delta=1e-5) == pytest.approx(
+      5.0875, abs=1e-3)
+  assert audit.fdp_one_run_epsilon_lower_bound(1000, 500, 500, delta=1e-5) == pytest.approx(
+      9.9194, abs=1e-3)
+  assert _fdp_bound_oracle(1000, 500, 500, 1e-5) == pytest.approx(9.9194, abs=1e-3)
+  # Steinke's at delta = 0 in closed form: q^500 = 0.05, eps = log(q / (1 - q)).
+  q = 0.05 ** (1 / 500)
+  assert audit.one_run_epsilon_lower_bound(1000, 500, 500) == pytest.approx(
+      math.log(q / (1 - q)), abs=1e-5)
+  # Every canary guessed, all correct: the most m = 1000 canaries can give.
+  assert audit.fdp_one_run_max_epsilon(1000, 1e-5) == pytest.approx(12.3346, abs=1e-3)
+  assert audit.one_run_max_epsilon(1000, delta=1e-5) == pytest.approx(5.7823, abs=1e-3)
+  ceilings = [audit.fdp_one_run_max_epsilon(m, 1e-5) for m in (10, 100, 1000, 10000)]
+  assert ceilings == sorted(ceilings) and ceilings[0] > 0
+  # No guesses, none correct, chance level: 0.
+  for r, v in ((0, 0), (500, 0), (500, 250), (1000, 500), (10, 6)):
+    assert audit.fdp_one_run_epsilon_lower_bound(1000, r, v, 1e-5) == 0.0, (r, v)
+  # The returned eps is rejected, a slightly larger one is not.
+  eps = audit.fdp_one_run_epsilon_lower_bound(1000, 200, 180, delta=1e-5)
+  assert fdp.fdp_one_run_rejects_gaussian(1000, 200, 180, eps, 1e-5)
+  assert not fdp.fdp_one_run_rejects_gaussian(1000, 200, 180, eps + 1e-4, 1e-5)
+  # Monotone: more correct guesses; less confidence; less delta.
+  values = [audit.fdp_one_run_epsilon_lower_bound(1000, 200, v, 1e-5) for v in (120, 150, 180,
+                                                                                 200)]
+  assert values == sorted(values) and values[0] > 0
+  f = audit.fdp_one_run_epsilon_lower_bound
+  assert f(1000, 200, 180, 1e-5, confidence=0.99) < f(1000, 200, 180, 1e-5, confidence=0.9)
+  assert f(1000, 200, 180, 1e-3) < f(1000, 200, 180, 1e-5)
+  with pytest.raises(ValueError, match="delta"):
+    f(1000, 200, 180, 0.0)
+  with pytest.raises(ValueError):
+    f(1000, 200, 201, 1e-5)
+
+
+def test_fdp_rejection_is_monotone_in_epsilon():
+  """The search keeps the rejected end; a larger eps (weaker Gaussian hypothesis) must never
+  be rejected where a smaller one is not, or the largest rejected eps would not be a bound."""
+  eps = np.linspace(0.0, 14.0, 71)
+  for m in (100, 1000):
+    for r in (10, 50, m // 2, m):
+      for v in sorted({r // 2 + 1, int(0.6 * r), int(0.75 * r), int(0.9 * r), r}):
+        rejected = [fdp.fdp_one_run_rejects_gaussian(m, r, v, e, 1e-5) for e in eps]
+        first_kept = rejected.index(False) if False in rejected else len(rejected)
+        assert not any(rejected[first_kept:]), (m, r, v)
+
+
+def test_fdp_is_at_least_steinke_on_the_same_counts():
+  """Over a grid of counts the f-DP bound is >= Steinke et al.'s wherever the latter is at least
+  0.06. Near 0 the f-DP test can be slightly weaker (largest gap found: 0.018 at (100, 42, 27),
+  Steinke 0.018 vs f-DP 0): both are then ~0."""
+  low = []
+  for m in (50, 200, 1000, 10000):
+    for r in sorted({max(1, int(f * m)) for f in (0.01, 0.05, 0.1, 0.3, 0.5, 1.0)}):
+      for v in sorted({int(round(f * r)) for f in (0.55, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)}):
+        for delta in (1e-5, 1e-3):
+          s = audit.one_run_epsilon_lower_bound(m, r, v, delta)
+          f = audit.fdp_one_run_epsilon_lower_bound(m, r, v, delta)
+          if s >= 0.06:
+            assert f >= s, (m, r, v, delta, s, f)
+          else:
+            low.append(s - f)
+  assert max(low) < 0.02
+
+
+def test_fdp_bound_holds_for_an_exactly_gaussian_mechanism():
+  """Each canary's score is its own Gaussian mechanism (score = mu * [in] + N(0, 1)): exactly
+  mu-GDP per canary, so the true epsilon at delta is the Gaussian mechanism's (dp-accounting's
+  PLD). The 95% bound of a fixed rule may exceed it in at most ~5% of runs."""
+  import dp_accounting
+  mu, m, delta, trials = 1.0, 300, 1e-5, 150
+  true_eps = dp_accounting.pld.PLDAccountant().compose(
+      dp_accounting.GaussianDpEvent(1 / mu)).get_epsilon(delta)
+  rng = np.random.default_rng(0)
+  rule = audit.TopK(rules=((30, 30),))
+  values = []
+  for _ in range(trials):
+    included = rng.random(m) < 0.5
+    auditor = audit.CanaryScoreAuditor.from_scores(mu * included + rng.normal(size=m), included)
+    values.append(auditor.epsilon_lower_bound("fdp", delta, strategy=rule).epsilon_lower_bound)
+  values = np.array(values)
+  assert np.mean(values > true_eps) <= 0.08
+  assert np.median(values) > 0.3 * true_eps   # not trivially 0 either
+
+
+def test_tight_gaussian_simulation_at_the_harness_settings():
+  """The issue's simulation: an exactly tight white-box Gaussian mechanism at the harness's
+  (sigma 4, T 200, q ~ 0.1, m 1000): each canary's score is the number of batches that held
+  it + sigma sqrt(T) Z. Published there: Steinke median about 0.25, f-DP about 0.32, f-DP
+  consistently about 1.3x higher on identical scores."""
+  rng = np.random.default_rng(0)
+  h = HARNESS
+  steinke, fdp_values = [], []
+  for _ in range(30):
+    included = rng.random(h["m"]) < 0.5
+    q = h["batch"] / (h["n"] + included.sum())
+    scores = (np.where(included, rng.binomial(h["steps"], q, h["m"]), 0)
+              + h["sigma"] * math.sqrt(h["steps"]) * rng.normal(size=h["m"]))
+    result = audit.CanaryScoreAuditor.from_scores(scores, included).audit(h["delta"])
+    steinke.append(result.steinke.epsilon_lower_bound)
+    fdp_values.append(result.fdp.epsilon_lower_bound)
+  steinke, fdp_values = np.array(steinke), np.array(fdp_values)
+  assert 0.2 <= np.median(steinke) <= 0.3
+  assert 0.28 <= np.median(fdp_values) <= 0.4
+  assert np.all(fdp_values >= steinke)
+  assert 1.2 <= np.median(fdp_values[steinke > 0] / steinke[steinke > 0]) <= 1.5
+
+
+# --- the auditor: attack measures and threshold strategies ---------------------------------
+def test_tpr_at_fpr_and_auroc_against_brute_force():
+  from sklearn import metrics
+  rng = np.random.default_rng(1)
+  a_in = np.round(rng.normal(0.7, 1, 60), 1)    # rounded: many ties
+  a_out = np.round(rng.normal(0, 1, 80), 1)
+  pairs = [(x > y) + 0.5 * (x == y) for x in a_in for y in a_out]
+  assert audit.auroc(a_in, a_out) == pytest.approx(np.mean(pairs))
+  labels = np.r_[np.ones(60), np.zeros(80)]
+  assert audit.auroc(a_in, a_out) == pytest.approx(
+      metrics.roc_auc_score(labels, np.r_[a_in, a_out]))
+  for fpr in (0.0, 0.01, 0.05, 0.1, 0.5, 1.0):
+    best = 0.0
+    for t in np.r_[np.inf, a_in, a_out]:     # every rule "in iff score >= t"
+      if np.mean(a_out >= t) <= fpr:
+        best = max(best, np.mean(a_in >= t))
+    assert audit.tpr_at_fpr(a_in, a_out, fpr) == pytest.approx(best), fpr
+  assert audit.auroc([1.0] * 5, [1.0] * 7) == 0.5
+  assert audit.tpr_at_fpr([2.0, 3.0], [0.0, 1.0], 0.0) == 1.0
+
+
+def test_gdp_estimate_is_labelled_and_recovers_a_gaussian():
+  rng = np.random.default_rng(2)
+  n = 20000
+  mu = measures.gdp_mu_estimate(rng.normal(1.0, 1, n), rng.normal(0, 1, n))
+  assert 0.8 <= mu <= 1.0             # Clopper-Pearson with Bonferroni: slightly below mu
+  assert measures.gdp_mu_estimate(rng.normal(0, 1, n), rng.normal(0, 1, n)) == 0.0
+  eps = audit.gdp_epsilon_estimate(rng.normal(1.0, 1, n), rng.normal(0, 1, n), delta=1e-5)
+  assert eps == pytest.approx(fdp.gaussian_dp_epsilon(
+      measures.gdp_mu_estimate(rng.normal(1.0, 1, n), rng.normal(0, 1, n)), 1e-5), abs=0.5)
+  result = audit.CanaryScoreAuditor([2.0, 1.0], [0.0, -1.0]).audit(1e-5).to_dict()
+  assert "not a bound" in result["gdp_estimate_note"]
+  json.dumps(result)
+
+
+def test_auditor_bounds_are_the_count_bounds_of_its_rules():
+  rng = np.random.default_rng(3)
+  m = 1000
+  included = audit.draw_inclusion(m, seed=4)
+  scores = 0.8 * included + rng.normal(size=m)     # distinct scores: thresholds == top-k
+  result = audit.CanaryScoreAuditor.from_scores(scores, included).audit(1e-5)
+  reference = audit.audit_scores(scores, included, delta=1e-5)
+  steinke = result.steinke
+  assert (steinke.k_plus, steinke.k_minus, steinke.num_guesses, steinke.num_correct) == (
+      reference.k_plus, reference.k_minus, reference.num_guesses, reference.num_correct)
+  assert steinke.epsilon_lower_bound == reference.epsilon_lower_bound > 0
+  n_rules = len(one_run.default_guess_rules(m))
+  f = result.fdp
+  assert (f.strategy, f.num_rules, f.confidence) == ("top_k_bonferroni", n_rules, 0.95)
+  assert f.epsilon_lower_bound == audit.fdp_one_run_epsilon_lower_bound(
+      m, f.num_guesses, f.num_correct, 1e-5, confidence=1 - 0.05 / n_rules)
+  assert f.epsilon_lower_bound >= steinke.epsilon_lower_bound
+
+
+def test_auditor_ties_cannot_fake_a_signal():
+  """The auditor gets in and out scores separately; equal scores must not be broken by that
+  order (which would guess the in-canaries first and "find" a large epsilon)."""
+  result = audit.CanaryScoreAuditor(np.zeros(480), np.zeros(520)).audit(1e-5)
+  assert result.steinke.epsilon_lower_bound == 0.0 == result.fdp.epsilon_lower_bound
+  assert result.auroc == 0.5 and result.gdp_epsilon_estimate == 0.0
+  # Perfect separation with ties inside each side: every canary guessed right.
+  result = audit.CanaryScoreAuditor(np.ones(480), np.zeros(520)).audit(1e-5)
+  assert result.steinke.num_correct == result.steinke.num_guesses > 0
+  assert result.fdp.epsilon_lower_bound > result.steinke.epsilon_lower_bound > 4.0
+
+
+def test_split_strategy():
+  rng = np.random.default_rng(5)
+  m = 1000
+  included = audit.draw_inclusion(m, seed=6)
+  scores = 3.0 * included + rng.normal(size=m)
+  auditor = audit.CanaryScoreAuditor.from_scores(scores, included)
+  split = audit.Split(fraction=0.5, seed=7)
+  for method in ("steinke", "fdp"):
+    b = auditor.epsilon_lower_bound(method, 1e-5, strategy=split)
+    assert b.strategy == "split" and b.num_rules == 1 and b.rule_confidence == 0.95
+    assert 300 < b.num_canaries < 700           # the second part only
+    assert b == auditor.epsilon_lower_bound(method, 1e-5, strategy=split)   # seeded
+    assert b.epsilon_lower_bound == auditor_lib.epsilon_lower_bound(
+        method, b.num_canaries, b.num_guesses, b.num_correct, 1e-5, 0.95) > 1.0
+  noise = audit.CanaryScoreAuditor.from_scores(rng.normal(size=m), included)
+  assert noise.epsilon_lower_bound("fdp", 1e-5, strategy=split).epsilon_lower_bound < 0.5
+  with pytest.raises(ValueError):
+    audit.Split(fraction=1.0)
 
 
 # --- guesses ---------------------------------------------------------------------------------
@@ -332,6 +593,7 @@ def test_harness_a_no_noise_gives_a_large_lower_bound():
   report = harness_run("dpsgd_no_noise")
   assert math.isinf(report.epsilon_claimed)
   assert report.epsilon_lower_bound > 3.0
+  assert report.epsilon_lower_bound_fdp > report.epsilon_lower_bound
   assert report.to_dict()["epsilon_claimed"] is None
 
 
@@ -340,6 +602,8 @@ def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
   report = harness_run(name)
   assert report.epsilon_claimed == pytest.approx(_claimed_by_accountant(report))
   assert 0.0 <= report.epsilon_lower_bound <= report.epsilon_claimed
+  assert 0.0 <= report.epsilon_lower_bound_fdp <= report.epsilon_claimed
+  assert report.epsilon_lower_bound_fdp >= report.epsilon_lower_bound
   assert not report.contradicts_claim
 
 
@@ -350,7 +614,65 @@ def test_harness_c_a_broken_mechanism_is_caught(name):
   # The package's own report is fooled: the ledger says the plan's noise multiplier.
   assert report.epsilon_claimed == pytest.approx(_claimed_by_accountant(report))
   assert report.epsilon_lower_bound > report.epsilon_claimed
+  assert report.epsilon_lower_bound_fdp > report.epsilon_claimed      # caught by f-DP too
   assert report.contradicts_claim
+  block = report.audit_block()
+  assert block["contradicts_claim"] and all(b["exceeds_claim"] for b in block["lower_bounds"])
+
+
+def _branch(noise_seed, sampler_seed):
+  """One branch from a common starting point (the same initial weights, canaries and coins:
+  a checkpoint at step 0), DP-SGD at the harness's plan, noise key ``noise_seed``, batches
+  from ``sampler_seed``. A user-fixed seed keys the noise by (seed, generation, step), so two
+  branches with the same seed draw the same noise at every step: what a rollback does when
+  it does not move to a new noise generation."""
+  key = f"branch_noise{noise_seed}_sampler{sampler_seed}"
+  if key not in _RUNS:
+    h = HARNESS
+    keras.utils.set_random_seed(0)
+    x, y = _toy(h["n"], d=8)
+    _RUNS[key] = audit.run_canary_audit(
+        lambda: _toy_model(d=8, width=16), (x, y), num_classes=2, canary_kind="gradient",
+        num_canaries=h["m"],
+        make_optimizer=lambda s: tf_dpnsgd.DPSGD(learning_rate=h["lr"], l2_norm_clip=1.0,
+                                                 noise_multiplier=s, seed=noise_seed),
+        batch_size=h["batch"], steps=h["steps"], noise_multiplier=h["sigma"], delta=h["delta"],
+        gradient_norm=100.0, audit_seed=0, sampler_seed=sampler_seed)
+  return _RUNS[key]
+
+
+def _two_release_audit(a, b):
+  """White-box audit of both releases: canary j's score is |E_a[j] - E_b[j]|; the claim for
+  releasing both is the plan's epsilon for both branches' steps (2T)."""
+  h = HARNESS
+  assert np.array_equal(a.included, b.included) and a.dataset_size == b.dataset_size
+  scores = np.abs(a.scores - b.scores)
+  plan = PrivacyPlan(dataset_size=a.dataset_size, batch_size=h["batch"], sampling="poisson",
+                     steps=2 * h["steps"], noise_multiplier=h["sigma"], delta=h["delta"])
+  claimed = plan.epsilon(a.steps + b.steps)
+  result = audit.CanaryScoreAuditor.from_scores(scores, a.included).audit(h["delta"])
+  return scores, claimed, result
+
+
+@pytest.mark.slow
+def test_harness_d_noise_repeated_in_two_branches_is_caught():
+  """The planted bug of the last review: two branches from the same checkpoint drawing the
+  same noise. Each branch alone is a correct DP run (its own audit stays below its claim);
+  released together, the noise cancels in their difference: an excluded canary's table entry
+  is bitwise the same in both, an included one differs whenever the branches sampled it a
+  different number of times. The two-release audit catches it; fresh noise is not caught."""
+  a = harness_run("dpsgd_planned")                 # noise seed 1, sampler seed 0
+  repeated = _branch(noise_seed=1, sampler_seed=1)
+  fresh = _branch(noise_seed=2, sampler_seed=1)
+  for branch in (repeated, fresh):
+    assert branch.epsilon_lower_bound_fdp <= branch.epsilon_claimed
+  scores, claimed, result = _two_release_audit(a, repeated)
+  assert np.all(scores[~a.included] == 0.0)        # the noise cancelled exactly
+  assert result.steinke.epsilon_lower_bound > claimed
+  assert result.fdp.epsilon_lower_bound > claimed
+  _, claimed, control = _two_release_audit(a, fresh)
+  assert control.steinke.epsilon_lower_bound <= claimed
+  assert control.fdp.epsilon_lower_bound <= claimed
 
 
 def test_harness_report_and_figure(tmp_path):

@@ -13,8 +13,10 @@ and calls it, and the test suite calls it directly):
    exactly as a user would (no step is bypassed);
 4. the claimed epsilon is ``plan.report(model).epsilon``: what the package
    would print for this model, from its privacy ledger;
-5. score all ``m`` canaries on the final model and compute the one-run
-   lower bound (:func:`~tf_dpnsgd.audit.one_run.audit_scores`).
+5. score all ``m`` canaries on the final model and audit the scores
+   (:class:`~tf_dpnsgd.audit.auditor.CanaryScoreAuditor`): Steinke et al.'s and
+   the f-DP one-run lower bounds from the same guesses, a Gaussian-DP estimate,
+   AUROC and TPR at low FPR.
 
 ``noise_multiplier=0`` trains without noise (no plan can claim anything:
 the claimed epsilon is infinite); the batches still come from the same
@@ -35,8 +37,10 @@ import numpy as np
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import sampling as sampling_lib
+from tf_dpnsgd.audit import auditor as auditor_lib
 from tf_dpnsgd.audit import canaries as canaries_lib
 from tf_dpnsgd.audit import one_run
+from tf_dpnsgd.audit import report as report_lib
 from tf_dpnsgd.audit import scoring
 from tf_dpnsgd.plan import PrivacyPlan
 
@@ -52,9 +56,10 @@ class AuditReport:
     score: ``"loss"``, ``"margin"`` (input canaries) or ``"dirac"``.
     epsilon_claimed: the package's epsilon for the model (``inf`` without noise).
     delta: the claimed delta (also the delta of the audit's null hypothesis).
-    epsilon_lower_bound: the one-run bound at ``confidence``.
-    confidence: the bound's overall confidence (Bonferroni over the rules included).
-    audit: the winning rule's counts (:class:`~tf_dpnsgd.audit.one_run.OneRunAudit`).
+    epsilon_lower_bound: Steinke et al.'s one-run bound at ``confidence``.
+    confidence: each bound's overall confidence (Bonferroni over the rules included).
+    audit: the winning rule's counts for that bound
+      (:class:`~tf_dpnsgd.audit.one_run.OneRunAudit`).
     clopper_pearson: the classic bound on the same scores, for comparison only
       (not valid from one run).
     scores, included: the ``m`` scores and coins.
@@ -64,6 +69,9 @@ class AuditReport:
     privacy: ``plan.report(model).to_dict()`` (None without noise).
     test_accuracy: the audited model's accuracy on the test rows, if given.
     timings: seconds for ``train``, ``score`` (all ``m`` canaries) and ``bound``.
+    canary_audit: everything the auditor measured on the same scores
+      (:class:`~tf_dpnsgd.audit.auditor.CanaryAudit`): both lower bounds (Steinke et al.,
+      f-DP), the Gaussian-DP estimate, AUROC, TPR at low FPR.
   """
 
   canary_kind: str
@@ -85,24 +93,50 @@ class AuditReport:
   privacy: Optional[dict]
   test_accuracy: Optional[float]
   timings: dict
+  canary_audit: Optional[auditor_lib.CanaryAudit] = None
 
   @property
   def num_canaries(self) -> int:
     return int(len(self.scores))
 
   @property
+  def epsilon_lower_bound_fdp(self) -> Optional[float]:
+    """The f-DP one-run bound (Mahloujifar, Melis, Chaudhuri 2025) on the same scores."""
+    if self.canary_audit is None:
+      return None
+    return self.canary_audit.fdp.epsilon_lower_bound
+
+  @property
+  def lower_bounds(self) -> dict:
+    """``{method: bound}`` of every one-run lower bound computed."""
+    out = {auditor_lib.STEINKE: float(self.epsilon_lower_bound)}
+    if self.canary_audit is not None:
+      out[auditor_lib.FDP] = float(self.canary_audit.fdp.epsilon_lower_bound)
+    return out
+
+  @property
   def contradicts_claim(self) -> bool:
-    """True if the lower bound exceeds the claimed epsilon (the claim is refuted)."""
-    return self.epsilon_lower_bound > self.epsilon_claimed
+    """True if a lower bound exceeds the claimed epsilon (the claim is refuted, at the
+    bound's confidence; for the f-DP bound: the mechanism is not even as private as the
+    Gaussian curve through the claimed (epsilon, delta))"""
+    return max(self.lower_bounds.values()) > self.epsilon_claimed
 
   def summary(self) -> dict:
     """The audit in a few JSON-ready fields (no scores), to sit next to a claimed epsilon,
     e.g. as ``privacy_report.json``'s ``"audit"`` entry."""
     d = self.to_dict()
-    keys = ("epsilon_claimed", "epsilon_lower_bound", "delta", "confidence",
-            "contradicts_claim", "canary_kind", "score", "num_canaries", "num_included",
-            "k_plus", "k_minus", "num_guesses", "num_correct", "bound")
-    return {k: d[k] for k in keys}
+    keys = ("epsilon_claimed", "epsilon_lower_bound", "epsilon_lower_bound_fdp", "delta",
+            "confidence", "contradicts_claim", "canary_kind", "score", "num_canaries",
+            "num_included", "k_plus", "k_minus", "num_guesses", "num_correct", "bound")
+    return {k: d[k] for k in keys if k in d}
+
+  def audit_block(self) -> dict:
+    """The ``"audit"`` entry for ``privacy_report.json``
+    (:func:`tf_dpnsgd.audit.report.audit_block`)."""
+    return report_lib.audit_block(
+        self.epsilon_claimed, self.canary_audit, canary_kind=self.canary_kind, score=self.score,
+        num_canaries=self.num_canaries, num_included=int(np.sum(self.included)),
+        sampling=self.sampling, accuracy_with_canaries=self.test_accuracy)
 
   def to_dict(self) -> dict:
     """JSON-ready; an infinite claimed epsilon is written as ``null`` with a note."""
@@ -128,8 +162,12 @@ class AuditReport:
         "bound": ("Steinke, Nasr, Jagielski (2023), one run: P[correct >= v] <= "
                   "f(v) + 2 m delta max_i (f(v-i) - f(v))/i, f = tail of "
                   "Binomial(r, e^eps/(1+e^eps)); best of num_rules fixed top-k+/bottom-k- "
-                  "rules at confidence 1 - beta/num_rules (Bonferroni)"),
+                  "threshold rules at confidence 1 - beta/num_rules (Bonferroni); the f-DP "
+                  "bound of the same guesses is in canary_audit"),
         "clopper_pearson_comparison": self.clopper_pearson,
+        "epsilon_lower_bound_fdp": (None if self.epsilon_lower_bound_fdp is None
+                                    else float(self.epsilon_lower_bound_fdp)),
+        "canary_audit": (None if self.canary_audit is None else self.canary_audit.to_dict()),
         "noise_multiplier": float(self.noise_multiplier),
         "optimizer": self.optimizer,
         "steps": int(self.steps),
@@ -178,7 +216,7 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
                      conversion: str = "modern", canary_pool: Optional[tuple] = None,
                      score: str = "loss", confidence: float = 0.95,
                      k_plus: Optional[int] = None, k_minus: Optional[int] = None,
-                     rules: Optional[Sequence[tuple]] = None,
+                     rules: Optional[Sequence[tuple]] = None, strategy=None,
                      gradient_norm: Optional[float] = None, audit_seed: Optional[int] = None,
                      sampler_seed: Optional[int] = None, test: Optional[tuple] = None,
                      per_example: str = "auto", physical_batch_size: Optional[int] = None,
@@ -200,7 +238,11 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
       ``noise_multiplier=0`` trains without noise (claimed epsilon infinite).
     canary_pool: ``(x, y)`` real examples outside ``train`` for input canaries.
     score: black-box score, ``"loss"`` or ``"margin"`` (gradient canaries use ``"dirac"``).
-    confidence, k_plus, k_minus, rules: see :func:`~tf_dpnsgd.audit.one_run.audit_scores`.
+    confidence, k_plus, k_minus, rules: the guessing rules (a fixed ``(k_plus, k_minus)``,
+      the ``rules`` to try, or the default grid; Bonferroni over the rules tried), as
+      :func:`~tf_dpnsgd.audit.one_run.audit_scores`.
+    strategy: instead, an :class:`~tf_dpnsgd.audit.auditor.TopK` or
+      :class:`~tf_dpnsgd.audit.auditor.Split` threshold strategy.
     gradient_norm: Dirac canaries' gradient norm (default 100 x the sensitivity).
     audit_seed: seed of the coins and canary choice (``None``: OS; fix it only in tests).
     sampler_seed: the plan's sampler seed (``None``: OS).
@@ -291,8 +333,10 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
     scores = scoring.input_scores(model, canaries.x, canaries.y, score)
   score_seconds = time.perf_counter() - start
   start = time.perf_counter()
-  audit = one_run.audit_scores(scores, included, k_plus, k_minus, delta=delta,
-                               confidence=confidence, rules=rules)
+  strategy = _strategy(k_plus, k_minus, rules, strategy)
+  canary_audit = auditor_lib.CanaryScoreAuditor.from_scores(scores, included).audit(
+      delta, confidence, strategy=strategy)
+  audit = _one_run_audit(canary_audit.steinke, delta)
   cp = one_run.clopper_pearson_comparison(scores, included, delta=delta, confidence=confidence)
   bound_seconds = time.perf_counter() - start
 
@@ -303,9 +347,10 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
       x_test = canaries_lib.as_dirac_inputs(x_test)
     logits = model.predict(x_test, batch_size=1024, verbose=0)
     test_accuracy = float(np.mean(np.argmax(logits, -1) == np.asarray(test[1])))
-  log(f"audit: claimed epsilon {claimed:.4g}, lower bound {audit.epsilon_lower_bound:.4g} "
-      f"({audit.num_correct}/{audit.num_guesses} correct, k+={audit.k_plus}, "
-      f"k-={audit.k_minus}); train {train_seconds:.1f} s, score {score_seconds:.3f} s")
+  log(f"audit: claimed epsilon {claimed:.4g}, lower bounds {audit.epsilon_lower_bound:.4g} "
+      f"(Steinke et al., {audit.num_correct}/{audit.num_guesses} correct, k+={audit.k_plus}, "
+      f"k-={audit.k_minus}) and {canary_audit.fdp.epsilon_lower_bound:.4g} (f-DP); "
+      f"train {train_seconds:.1f} s, score {score_seconds:.3f} s")
   return AuditReport(
       canary_kind=canary_kind, score=score, epsilon_claimed=claimed, delta=float(delta),
       epsilon_lower_bound=audit.epsilon_lower_bound, confidence=float(confidence), audit=audit,
@@ -313,7 +358,32 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
       noise_multiplier=float(sigma), optimizer=type(optimizer).__name__, steps=steps_taken,
       dataset_size=n, batch_size=int(batch_size), sampling=sampling, privacy=privacy,
       test_accuracy=test_accuracy,
-      timings={"train": train_seconds, "score": score_seconds, "bound": bound_seconds})
+      timings={"train": train_seconds, "score": score_seconds, "bound": bound_seconds},
+      canary_audit=canary_audit)
+
+
+def _strategy(k_plus, k_minus, rules, strategy):
+  """The auditor's threshold strategy from the rule arguments of :func:`run_canary_audit`."""
+  if (k_plus is None) != (k_minus is None):
+    raise ValueError("Give both `k_plus` and `k_minus`, or neither (then the default rules "
+                     "are tried with a Bonferroni correction).")
+  given = [k_plus is not None, rules is not None, strategy is not None]
+  if sum(given) > 1:
+    raise ValueError("Give at most one of (`k_plus`, `k_minus`), `rules` and `strategy`.")
+  if strategy is not None:
+    return strategy
+  if k_plus is not None:
+    return auditor_lib.TopK(rules=((int(k_plus), int(k_minus)),))
+  return auditor_lib.TopK(rules=None if rules is None else tuple(tuple(r) for r in rules))
+
+
+def _one_run_audit(bound: auditor_lib.BoundResult, delta: float) -> one_run.OneRunAudit:
+  return one_run.OneRunAudit(
+      num_canaries=bound.num_canaries, k_plus=bound.k_plus, k_minus=bound.k_minus,
+      num_guesses=bound.num_guesses, num_correct=bound.num_correct,
+      correct_in=bound.correct_in, correct_out=bound.correct_out, delta=float(delta),
+      confidence=bound.rule_confidence, num_rules=bound.num_rules,
+      epsilon_lower_bound=bound.epsilon_lower_bound)
 
 
 __all__ = ["AuditReport", "LOSS", "run_canary_audit"]
