@@ -107,5 +107,54 @@ if MODE == "worker":
   except ValueError as e:
     out["mismatched_seed_refused"] = str(e)
 
+if MODE == "worker":
+  # Issue 19, scenario 12: the cross-worker checks at the start of EVERY fit, whatever the
+  # call. (a) plan.dataset(x, y) WITHOUT model= (no check there) and per-worker seeds.
+  import json  # noqa: E402
+  task = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"])
+
+  def fresh_model():
+    with strategy.scope():
+      keras.utils.set_random_seed(0)
+      inp = keras.Input((5,))
+      m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+      m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=1.0),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+      m.build((None, 5))
+    return m
+
+  def refusal(model, plan, **kw):
+    try:
+      model.fit(plan.dataset(x, y, **kw), steps_per_epoch=1, epochs=1, verbose=0)
+      return ""
+    except ValueError as e:
+      return str(e)
+
+  own_seed = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson",
+                                   steps=STEPS, noise_multiplier=1.0, delta=1e-5,
+                                   seed=20 + task)
+  model = fresh_model()
+  out["fit_seed_refused"] = refusal(model, own_seed)
+  out["fit_seed_steps"] = model.privacy_ledger.steps
+  # (b) workers resuming from different checkpoints (no shared model_dir): worker 1 holds
+  # a ledger 2 steps ahead, written by a single-device run of the same architecture.
+  shared = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson",
+                                 steps=STEPS, noise_multiplier=1.0, delta=1e-5, seed=33)
+  if task == 1:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5,))
+    alone = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+    alone.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                            noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    alone.fit(shared.dataset(x, y, model=alone), steps_per_epoch=2, epochs=1, verbose=0)
+    alone.save_weights(OUT + ".ahead.weights.h5")
+  model = fresh_model()
+  if task == 1:
+    model.load_weights(OUT + ".ahead.weights.h5")
+  out["fit_ledger_refused"] = refusal(model, shared, model=model)
+  out["fit_ledger_steps"] = model.privacy_ledger.steps
+
 np.savez(OUT, **out)
 print("DONE", flush=True)

@@ -110,6 +110,18 @@ def test_workers_with_different_sampler_seeds_all_refuse(results):
     assert "differs between the workers" in str(worker["mismatched_seed_refused"])
 
 
+def test_every_fit_compares_seed_and_ledger_step_across_workers(results):
+  """Issue 19, scenario 12: per-worker seeds fed through plan.dataset(x, y) without
+  model=, and workers whose ledgers stand at different steps, are refused at the start of
+  fit on every worker, before any step (each ledger keeps its own count)."""
+  _, workers = results
+  for i, worker in enumerate(workers):
+    assert "sampler seed" in str(worker["fit_seed_refused"])
+    assert int(worker["fit_seed_steps"]) == 0
+    assert "privacy ledger step" in str(worker["fit_ledger_refused"])
+    assert int(worker["fit_ledger_steps"]) == (2 if i == 1 else 0)
+
+
 def test_launcher_runs_on_two_workers_and_only_the_chief_writes(tmp_path):
   """`--distribution_strategy=multi_worker` end to end through a launcher (quickstart)."""
   commands = []

@@ -1,5 +1,9 @@
 """The privacy ledger: what the DP train step actually executed, bound to the weights.
 
+This module is long (about 500 lines, a third of it docstrings): the ledger's
+entries, its save hooks, its forward-only restore rule and its host checks are one
+unit of state and must be read together.
+
 An accountant turns a description of the run (how batches were drawn, how
 many steps, which noise) into epsilon. That epsilon describes the training
 only if the description is what ran. The ledger is the record of what ran,
