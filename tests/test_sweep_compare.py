@@ -118,3 +118,19 @@ def test_refuses_a_grid_without_two_axes(tmp_path):
     compare.load_sweep("m", str(tmp_path / "s"))
   with pytest.raises(SweepError, match="no cells"):
     compare.load_sweep("m", str(tmp_path))
+
+
+def test_a_non_private_run_in_a_grid_makes_its_panel_not_private(tmp_path):
+  """Issue 19, scenario 10, in the comparison: a finished non-private run in a method's
+  grid was silently left out of the privacy numbers; now the panel says NOT private."""
+  root = _write_sweep(str(tmp_path / "s"))
+  name = "seed-1__target_epsilon-1__effective_lr-1__l2_norm_clip-1"
+  with open(os.path.join(root, "cells", name, "privacy_report.json"), "w") as f:
+    json.dump({**_report(0.9), "private": False, "epsilon": None, "delta": None,
+               "noise_multiplier": None}, f)
+  [entry] = compare.summarize_method(compare.load_sweep("DP-SGD", root))
+  assert entry["non_private_cells"] == [name] and entry["privacy"]["private"] is False
+  assert "NOT private" in compare.table_lines([entry])[2]
+  [clean] = compare.summarize_method(compare.load_sweep("DP-SGD", _write_sweep(
+      str(tmp_path / "t"))))
+  assert "non_private_cells" not in clean and "private" not in clean["privacy"]

@@ -55,6 +55,7 @@ class MethodGrid:
   seeds: tuple
   accuracy: np.ndarray
   runs: dict  # panel value -> [(delta, tuning.RunPrivacy)] of every finished private run
+  non_private: dict = dataclasses.field(default_factory=dict)  # panel -> finished sgd cells
 
 
 def _sort_key(value: str):
@@ -111,6 +112,7 @@ def load_sweep(label: str, sweep_dir: str, metric: str = "final",
   xs, yv, panels, seeds = axis(x_axis), axis(y_axis), axis(panel_axis), axis(replicate_axis)
   acc = np.full((len(panels), len(seeds), len(yv), len(xs)), np.nan)
   runs = {p: [] for p in panels}
+  non_private = {p: [] for p in panels}
   for name, a in cells:
     report = os.path.join(cells_dir, name, REPORT_FILE)
     if not os.path.isfile(report):
@@ -123,7 +125,10 @@ def load_sweep(label: str, sweep_dir: str, metric: str = "final",
       acc[idx] = float(value)
     if record.private:
       runs[panels[p]].append((record.delta, tuning.RunPrivacy.from_record(record)))
-  return MethodGrid(label, x_axis, y_axis, xs, yv, panels, seeds, acc, runs)
+    else:
+      non_private[panels[p]].append(name)
+  return MethodGrid(label, x_axis, y_axis, xs, yv, panels, seeds, acc, runs,
+                    {p: v for p, v in non_private.items() if v})
 
 
 def summarize_method(grid: MethodGrid, near_best_points: float = 2.0,
@@ -183,6 +188,10 @@ def summarize_method(grid: MethodGrid, near_best_points: float = 2.0,
             "results": tuning.tuning_privacy(privacies, delta, reach,
                                              cache=cache)["random_search"]}
       entry["privacy"] = priv
+    if grid.non_private.get(panel):
+      # Trained on the same data without noise and released with the grid: no epsilon.
+      entry["non_private_cells"] = list(grid.non_private[panel])
+      entry.setdefault("privacy", {})["private"] = False
     out.append(entry)
   return out
 
@@ -209,6 +218,8 @@ def table_lines(entries: Sequence[dict]) -> list:
     seeds = "; ".join(f"{s['best_y']}/{s['best_x']}" for s in e.get("per_seed", []))
     sd = f" ± {rob['best_std']:.1f}" if rob.get("best_std") is not None else ""
     partial = "" if e["complete"] else " (incomplete)"
+    if e.get("non_private_cells"):
+      partial += " (NOT private: includes non-private runs)"
     lines.append(
         f"| {e['method']}{partial} | {e['panel']} | {e['y_axis']} x {e['x_axis']} "
         f"({len(e['y_values'])}x{len(e['x_values'])}) | {rob['best']:.1f}{sd} | "
