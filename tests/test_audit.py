@@ -763,3 +763,84 @@ def test_launcher_flag_errors_are_one_line(tmp_path):
   assert proc.returncode == 1
   assert "exactly one of --noise_multiplier" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+# --- --audit_canaries in the training launchers -----------------------------------------------
+def _run_module(module, *args):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                        timeout=600, env=env, cwd=REPO)
+
+
+def _check_audit_block(block, claimed, num_canaries, kind):
+  assert block["epsilon_claimed"] == pytest.approx(claimed)
+  assert block["num_canaries"] == num_canaries and block["canary_kind"] == kind
+  assert 0 < block["num_included"] < num_canaries
+  assert {b["method"] for b in block["lower_bounds"]} == {"steinke", "fdp"}
+  for b in block["lower_bounds"]:
+    assert b["confidence"] == 0.95 and b["strategy"] == "top_k_bonferroni"
+    assert 0.0 <= b["epsilon_lower_bound"] <= claimed and not b["exceeds_claim"]
+  assert "expected outcome" in block["interpretation"]
+  assert "not a bound" in block["gdp_estimate_note"]
+
+
+@pytest.mark.slow
+def test_quickstart_audit_canaries_through_the_normal_run(tmp_path):
+  from tf_dpnsgd import export as export_lib
+  import tensorflow as tf
+  from tf_dpnsgd.data import digits
+  m = 300
+  proc = _run_module("tf_dpnsgd.launch.quickstart", "--epochs=3", f"--audit_canaries={m}",
+                     f"--model_dir={tmp_path}/run", f"--export_dir={tmp_path}/export")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Steinke" in proc.stdout and "f-DP" in proc.stdout and "claimed epsilon" in proc.stdout
+  report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+  block = report["audit"]
+  _check_audit_block(block, report["epsilon"], m, "gradient")
+  # The canaries were rows of the training set the plan accounted (N = 1437 + included).
+  (x_train, _), (x_test, y_test) = digits.load_digits(test_fraction=0.2, seed=0)
+  assert report["dataset_size"] == len(x_train) + block["num_included"]
+  # The export is the user's model, trained, without the canary head; same audit block.
+  exported = json.loads((tmp_path / "export" / "privacy_report.json").read_text())
+  assert exported["audit"] == block
+  assert not any("dirac" in v for v in export_lib.exported_variable_names(
+      str(tmp_path / "export")))
+  serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+  pred = serve(images=tf.constant(x_test * 16.0))["class_ids"].numpy()
+  assert np.mean(pred == y_test) == pytest.approx(report["final_metrics"]["accuracy"],
+                                                  abs=1e-6)
+
+
+@pytest.mark.slow
+def test_mnist_audit_input_canaries_with_baseline(tmp_path):
+  rng = np.random.default_rng(0)
+  path = tmp_path / "mnist.npz"
+  np.savez(path, x_train=rng.integers(0, 256, (600, 28, 28), dtype=np.uint8),
+           y_train=rng.integers(0, 10, 600), x_test=rng.integers(0, 256, (50, 28, 28),
+                                                                dtype=np.uint8),
+           y_test=rng.integers(0, 10, 50))
+  m = 100
+  proc = _run_module("tf_dpnsgd.launch.mnist", f"--data_path={path}", "--epochs=1",
+                     "--batch_size=100", "--width=16", f"--audit_canaries={m}",
+                     "--audit_canary_kind=input", "--audit_score=margin", "--audit_baseline",
+                     f"--model_dir={tmp_path}/run")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+  block = report["audit"]
+  _check_audit_block(block, report["epsilon"], m, "input")
+  assert block["score"] == "margin"
+  assert report["dataset_size"] == 600 - m + block["num_included"]   # the last m rows
+  utility = block["utility"]
+  assert utility["accuracy_cost"] == pytest.approx(
+      utility["test_accuracy_without_canaries"] - utility["test_accuracy_with_canaries"])
+
+
+@pytest.mark.slow
+def test_audited_run_refuses_to_resume(tmp_path):
+  run = f"--model_dir={tmp_path}/run"
+  proc = _run_module("tf_dpnsgd.launch.quickstart", "--max_steps=2", run)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _run_module("tf_dpnsgd.launch.quickstart", "--max_steps=4", run, "--audit_canaries=50")
+  assert proc.returncode == 1
+  assert "cannot resume" in proc.stderr and "Traceback" not in proc.stderr

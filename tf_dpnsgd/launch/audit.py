@@ -19,7 +19,8 @@ default), then audits the model (:func:`tf_dpnsgd.audit.run_canary_audit`):
   margin (``--score=margin``).
 
 ``--output_dir`` receives ``audit_report.json`` (``epsilon_claimed``,
-``epsilon_lower_bound``, delta, confidence, m, k+, k-, correct guesses, the
+``epsilon_lower_bound`` (Steinke et al.), ``epsilon_lower_bound_fdp`` (f-DP), the
+auditor's ``canary_audit`` (GDP estimate, AUROC, TPR at low FPR), delta, confidence, m, k+, k-, correct guesses, the
 canary kind, all scores, timings) and ``audit_scores.png`` (score histograms
 of in vs. out canaries, both epsilons in the title). ``--noise_multiplier=0``
 trains without noise (no claim: infinite epsilon), the sanity check that the
@@ -252,7 +253,8 @@ def main(argv):
   claimed = audit_plots.epsilon_text(report.epsilon_claimed)
   print(f"claimed epsilon {claimed} (delta {fv.delta:g}); audit lower bound "
         f"{report.epsilon_lower_bound:.4g} at {fv.confidence:.0%} ({report.audit.num_correct}/"
-        f"{report.audit.num_guesses} correct guesses, m={report.num_canaries}); test accuracy "
+        f"{report.audit.num_guesses} correct guesses, m={report.num_canaries}; Steinke et al.), "
+        f"f-DP lower bound {report.epsilon_lower_bound_fdp:.4g} (same guesses); test accuracy "
         f"{report.test_accuracy:.4f}", flush=True)
   if report.contradicts_claim:
     print("WARNING: the lower bound exceeds the claimed epsilon: the mechanism does not do "

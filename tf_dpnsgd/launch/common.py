@@ -562,7 +562,8 @@ class StepProgbar(keras.callbacks.ProgbarLogger):
 def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model],
                    train: tuple, test: tuple, loss, export_fn=None, metrics=("accuracy",),
                    augment_fn=None, extra_report: Optional[dict] = None,
-                   print_fn: Optional[Callable[[int, dict], Any]] = None) -> dict:
+                   print_fn: Optional[Callable[[int, dict], Any]] = None,
+                   after_training: Optional[Callable] = None) -> dict:
   """Trains ``build_model()`` on ``train`` with DP (or SGD), evaluates on ``test``.
 
   Args:
@@ -574,6 +575,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     augment_fn: optional ``tf.data`` transformation of the training stream.
     extra_report: fields added to the privacy report (e.g. the preset).
     print_fn: called with ``(epoch, logs)`` at each epoch end.
+    after_training: ``(model, plan, final_metrics) -> dict`` of fields added to the report
+      (e.g. the canary audit's ``"audit"`` entry, :mod:`tf_dpnsgd.launch.canary_audit`).
 
   Returns:
     The run's :class:`~tf_dpnsgd.records.RunRecord`, also written (``to_dict()``, plus
@@ -677,6 +680,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
          "final_metrics": {k: float(v) for k, v in final.items()},
          "best_val_accuracy": max(history.get("val_accuracy", [float("nan")])),
          "extra": dict(extra_report or {})}
+  if after_training is not None:
+    run["extra"].update(after_training(model, plan, run["final_metrics"]))
   if plan:
     record = RunRecord.from_privacy_report(plan.report(model), noise_multiplier=sigma, **run)
   else:  # no epsilon at all (JSON has no inf), and "private": false

@@ -12,7 +12,8 @@ exported SavedModel takes raw 0-255 images.
 Models: ``mlp`` (one tanh hidden layer; fast on CPU, the default) or
 ``convnet`` (the small tanh ConvNet of the DP-SGD MNIST baselines, with
 GroupNorm; Papernot et al. 2021 use tanh for DP training). Any flag of the
-experiment launchers applies (--optimizer=dpsgd --l2_norm_clip=1, ...).
+experiment launchers applies (--optimizer=dpsgd --l2_norm_clip=1, ...);
+``--audit_canaries=N`` audits the run (:mod:`tf_dpnsgd.launch.canary_audit`).
 The sweep (``python -m tf_dpnsgd.launch.sweep --base=mnist``) uses
 :func:`planned_dataset_size` for its ``--dry_run``.
 """
@@ -25,6 +26,7 @@ import keras
 import numpy as np
 
 from tf_dpnsgd import export as export_lib
+from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import common
 
 MNIST_TRAIN_SIZE = 60000
@@ -39,6 +41,7 @@ flags.DEFINE_integer("max_train_examples", None,
 flags.DEFINE_integer("max_test_examples", None, "Evaluate on the first N test images only.")
 flags.DEFINE_enum("model", "mlp", MODELS, "mlp: 784-H-10 tanh; convnet: small tanh GN ConvNet.")
 flags.DEFINE_integer("width", 128, "Hidden units of the MLP / dense layer of the ConvNet.")
+canary_audit.define_flags()
 
 
 def load_mnist(data_path=None, max_train_examples=None, max_test_examples=None):
@@ -115,14 +118,16 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=(0.0,), std=(1.0,), scale=255.0)
 
-  record = common.run_experiment(
-      cfg, lambda: build(width=FLAGS.width), train, test,
+  record, audit_block = canary_audit.run_experiment(
+      cfg, canary_audit.spec_from_flags(), lambda: build(width=FLAGS.width), train, test,
+      num_classes=10,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       export_fn=export_fn, print_fn=common.print_epoch,
       extra_report={"dataset": "mnist", "model": FLAGS.model, "width": FLAGS.width})
   acc = record.metric("accuracy", float("nan"))
   print(f"final test accuracy {acc:.4f}; {record.epsilon_text()} after "
         f"{record.steps} steps", flush=True)
+  canary_audit.print_audit(audit_block)
 
 
 if __name__ == "__main__":

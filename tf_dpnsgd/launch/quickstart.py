@@ -15,7 +15,9 @@ in two runs, epsilon 3.998).
       --export_dir=runs/quickstart/export
 
 Any flag of the experiment launchers applies (e.g. --optimizer=dpsgd
---l2_norm_clip=1.0, --sampling=uniform, --target_epsilon=2).
+--l2_norm_clip=1.0, --sampling=uniform, --target_epsilon=2). ``--audit_canaries=1000``
+audits the run (:mod:`tf_dpnsgd.launch.canary_audit`): it trains with 1,000
+canaries and prints two one-run lower bounds on epsilon next to the claim.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import keras
 
 from tf_dpnsgd import data as data_lib
 from tf_dpnsgd import export as export_lib
+from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import common
 
 common.define_flags(optimizer="dpnsgd", learning_rate=2.0, regularizer=0.01, momentum=0.0,
                     target_epsilon=4.0, delta=1e-5, batch_size=128, epochs=40,
                     sampling="poisson", seed=0, verbose=0)
 flags.DEFINE_float("test_fraction", 0.2, "Held-out fraction of the digits.")
+canary_audit.define_flags()
 
 
 def digits_mlp(input_shape=(8, 8, 1), num_classes=10, width=32):
@@ -62,8 +66,9 @@ def main(argv):
     # Inputs of the export are raw digits pixels (0..16), scaled inside.
     export_lib.export_image_classifier(model, export_dir, mean=(0.0,), std=(1.0,), scale=16.0)
 
-  record = common.run_experiment(
-      cfg, digits_mlp, (x_train, y_train), (x_test, y_test),
+  record, audit_block = canary_audit.run_experiment(
+      cfg, canary_audit.spec_from_flags(), digits_mlp, (x_train, y_train), (x_test, y_test),
+      num_classes=10,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       export_fn=export_fn, print_fn=common.print_epoch, extra_report={"dataset": "sklearn digits"})
   acc = record.metric("accuracy")
@@ -74,6 +79,7 @@ def main(argv):
           "accountant)")
   else:
     print(f"final test accuracy {acc:.4f} (non-private)")
+  canary_audit.print_audit(audit_block)
   # Under --distribution_strategy=multi_worker only the chief writes files.
   report_path = os.path.join(cfg.model_dir, "privacy_report.json") if cfg.model_dir else None
   if report_path and os.path.exists(report_path):
