@@ -366,6 +366,7 @@ class _DPTrainer:
     bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
     x = bound.arguments.get("x")
     guard = self._dp_guard
+    coverage.check_data_derived_state(self, self._dp_public_state)  # adapted after compile?
     guard.batch_source = "arrays" if _is_in_memory(x) else "other"
     guard.fit_checks_pending = True
     self._note_fit_callbacks(bound.arguments.get("callbacks"))
