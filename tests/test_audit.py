@@ -844,3 +844,23 @@ def test_audited_run_refuses_to_resume(tmp_path):
   proc = _run_module("tf_dpnsgd.launch.quickstart", "--max_steps=4", run, "--audit_canaries=50")
   assert proc.returncode == 1
   assert "cannot resume" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_sst2_audit_input_canaries_and_gradient_refused(tmp_path):
+  import fixtures
+  preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
+  train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 8
+  fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
+  common = [f"--preset={preset}", f"--data_dir={tmp_path}/glue", "--batch_size=8",
+            "--physical_batch_size=8", "--max_steps=4", "--epochs=1", "--sequence_length=16",
+            "--optimizer=dpsgd", "--l2_norm_clip=0.5", "--audit_canaries=32"]
+  proc = _run_module("tf_dpnsgd.launch.sst2", *common, "--audit_canary_kind=input",
+                     f"--model_dir={tmp_path}/run")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+  _check_audit_block(report["audit"], report["epsilon"], 32, "input")
+  assert report["dataset_size"] == len(train) - 32 + report["audit"]["num_included"]
+  proc = _run_module("tf_dpnsgd.launch.sst2", *common, f"--model_dir={tmp_path}/run2")
+  assert proc.returncode == 1 and "--audit_canary_kind=input" in proc.stderr
+  assert "Traceback" not in proc.stderr

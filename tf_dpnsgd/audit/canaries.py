@@ -100,10 +100,11 @@ class Canaries:
   def rows(self, which=None):
     """``(x, y)`` of the canaries selected by the boolean ``which`` (default: the included)."""
     which = self.included if which is None else np.asarray(which, bool)
-    return _take(self.x, which), self.y[which]
+    return take_rows(self.x, which), self.y[which]
 
 
-def _take(x, rows):
+def take_rows(x, rows):
+  """``x[rows]`` for an array or a dict of arrays (e.g. a text model's token ids and mask)."""
   if isinstance(x, dict):
     return {k: np.asarray(v)[rows] for k, v in x.items()}
   return np.asarray(x)[rows]
@@ -120,7 +121,8 @@ def mislabeled_canaries(x_pool, y_pool, num_canaries: int, num_classes: int, inc
   """Input-space canaries: ``m`` distinct pool examples, each with a wrong label.
 
   Args:
-    x_pool, y_pool: real examples not otherwise in the training set.
+    x_pool, y_pool: real examples not otherwise in the training set (``x_pool`` an
+      array or a dict of arrays).
     num_canaries: ``m <= len(y_pool)``.
     num_classes: ``K``; the new label is uniform over the ``K - 1`` wrong ones.
     included: the coins (:func:`draw_inclusion`).
@@ -136,7 +138,7 @@ def mislabeled_canaries(x_pool, y_pool, num_canaries: int, num_classes: int, inc
   true = y_pool[idx].astype(np.int64)
   shift = rng.integers(1, num_classes, size=num_canaries)
   labels = ((true + shift) % num_classes).astype(np.int32)
-  return Canaries("input", np.asarray(x_pool)[idx], labels, np.asarray(included, bool))
+  return Canaries("input", take_rows(x_pool, idx), labels, np.asarray(included, bool))
 
 
 # --- gradient-space (Dirac) canaries ------------------------------------------------------
@@ -250,5 +252,5 @@ def training_set(x_real, y_real, canaries: Canaries):
 __all__ = ["CANARY_ID_KEY", "CANARY_SCALE_KEY", "Canaries",
            "DEFAULT_GRADIENT_NORM_OVER_SENSITIVITY", "DIRAC_TABLE_NAME", "DiracCanaryLogits",
            "FEATURES_KEY", "KINDS", "as_dirac_inputs", "dirac_canaries", "dirac_scale",
-           "dirac_table", "draw_inclusion", "mislabeled_canaries", "training_set",
+           "dirac_table", "draw_inclusion", "mislabeled_canaries", "take_rows", "training_set",
            "with_dirac_canaries"]

@@ -1,6 +1,6 @@
 """``--audit_canaries=N``: an empirical privacy audit inside a training launcher's own run.
 
-Every training launcher (quickstart, MNIST) calls :func:`run_experiment`
+The quickstart, MNIST and SST-2 launchers call :func:`run_experiment`
 instead of :func:`tf_dpnsgd.launch.common.run_experiment`. With
 ``--audit_canaries=0`` (the default) it is exactly that call. With ``N > 0``
 the run trains with ``N`` canaries, each included with probability 1/2 (coins
@@ -17,6 +17,7 @@ f-DP one-run lower bounds from the same guesses); ``privacy_report.json`` (in
   (:func:`tf_dpnsgd.audit.with_dirac_canaries`): the trained model carries a
   canary head (an ``Embedding(N, 1)`` table) whose entries are the scores.
   The export is the user's model without the head (same trained weights).
+  Needs a model with one input tensor (not the SST-2 text models).
 * ``--audit_canary_kind=input`` (black-box): the last ``N`` training rows
   become canaries with a wrong label (so the real training set is ``N`` rows
   smaller); scored by ``--audit_score`` (the final model's loss or margin).
@@ -140,7 +141,7 @@ def run_experiment(cfg: common.ExperimentConfig, spec: AuditSpec,
     return common.run_experiment(cfg, build_model, train, test, loss=loss, export_fn=export_fn,
                                  print_fn=print_fn, **kwargs), None
   m = spec.num_canaries
-  x_train, y_train = np.asarray(train[0]), np.asarray(train[1], np.int32)
+  x_train, y_train = train[0], np.asarray(train[1], np.int32)
   _check_can_audit(cfg, spec, len(y_train), cfg.batch_size)
   baseline_accuracy = None
   if spec.baseline:
@@ -154,7 +155,11 @@ def run_experiment(cfg: common.ExperimentConfig, spec: AuditSpec,
       holder["model"] = build_model()
       _check_single_input(holder["model"])
       return canaries_lib.with_dirac_canaries(holder["model"], m)
-    canaries = canaries_lib.dirac_canaries(x_train.shape[1:], m, num_classes, included,
+    if isinstance(x_train, dict):
+      raise common.LaunchError(
+          "--audit_canary_kind=gradient needs a model with one input tensor (the Dirac canary "
+          "head adds its own inputs); use --audit_canary_kind=input for this model.")
+    canaries = canaries_lib.dirac_canaries(np.shape(x_train)[1:], m, num_classes, included,
                                            _gradient_norm(cfg))
     real = (x_train, y_train)
     test = (canaries_lib.as_dirac_inputs(test[0]), test[1])
@@ -163,9 +168,11 @@ def run_experiment(cfg: common.ExperimentConfig, spec: AuditSpec,
     score_name = "dirac"
   else:
     build, audited_export, score_name = build_model, export_fn, spec.score
-    real = (x_train[:-m], y_train[:-m])
-    canaries = canaries_lib.mislabeled_canaries(x_train[-m:], y_train[-m:], m, num_classes,
-                                                included)
+    n = len(y_train)
+    real = (canaries_lib.take_rows(x_train, np.arange(n - m)), y_train[:n - m])
+    canaries = canaries_lib.mislabeled_canaries(
+        canaries_lib.take_rows(x_train, np.arange(n - m, n)), y_train[n - m:], m, num_classes,
+        included)
   x, y = canaries_lib.training_set(real[0], real[1], canaries)
 
   def after_training(model, plan, final_metrics):

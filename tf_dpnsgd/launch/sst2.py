@@ -8,6 +8,9 @@ or a local folder: a keras-hub preset or a Hugging Face BERT/RoBERTa
 checkpoint (config.json + model.safetensors + vocab files), loaded offline.
 Data: --data_dir with GLUE's SST-2 `train.tsv`/`dev.tsv`, else tfds
 `glue/sst2`. The exported SavedModel takes raw sentences.
+``--audit_canaries=N --audit_canary_kind=input`` audits the run with the last N
+training sentences relabeled as canaries (:mod:`tf_dpnsgd.launch.canary_audit`;
+the text models take two inputs, so the white-box kind is refused).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tensorflow as tf
 
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.data import glue
+from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.models import text
 
@@ -32,6 +36,7 @@ flags.DEFINE_boolean("freeze_embeddings", True, "Freeze the input embeddings (th
 flags.DEFINE_integer("sequence_length", 128, "Tokens per sentence.")
 flags.DEFINE_string("data_dir", None, "GLUE folder (SST-2/train.tsv, dev.tsv); else tfds.")
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training sentences.")
+canary_audit.define_flags()
 
 
 def planned_dataset_size(flag_values) -> int:
@@ -66,15 +71,17 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_text_classifier(model, preprocessor, export_dir)
 
-  record = common.run_experiment(
-      cfg, lambda: classifier, (x_train, common.as_numpy_labels(train_y)),
-      (x_dev, common.as_numpy_labels(dev_y)),
+  record, audit_block = canary_audit.run_experiment(
+      cfg, canary_audit.spec_from_flags(), lambda: classifier,
+      (x_train, common.as_numpy_labels(train_y)), (x_dev, common.as_numpy_labels(dev_y)),
+      num_classes=2,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), export_fn=export_fn,
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings,
                     "sequence_length": FLAGS.sequence_length})
   print(f"dev accuracy {record.metric('accuracy', float('nan')):.4f}; "
         f"{record.epsilon_text()} after {record.steps} steps")
+  canary_audit.print_audit(audit_block)
 
 
 if __name__ == "__main__":
