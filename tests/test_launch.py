@@ -221,6 +221,26 @@ def test_bad_flag_combinations_are_flag_errors(tmp_path, args, message):
     parse_launcher_flags(*args)
 
 
+def test_unset_physical_batch_size_adapts_to_the_batch_size_given(tmp_path):
+  """The CIFAR-10 launcher's defaults (B 1000, chunks of 250): --batch_size=64 alone runs in
+  chunks of 64; a --physical_batch_size the user set (command line or flag file) is kept,
+  and a wrong one stays a flag error."""
+  from absl import flags
+  cifar = {"batch_size": 1000, "physical_batch_size": 250}
+  cfg = parse_launcher_flags("--batch_size=64", **cifar)
+  assert (cfg.batch_size, cfg.physical_batch_size) == (64, 64)
+  cfg = parse_launcher_flags("--batch_size=500", **cifar)
+  assert (cfg.batch_size, cfg.physical_batch_size) == (500, 250)  # default still fits
+  cfg = parse_launcher_flags("--batch_size=64", "--physical_batch_size=16", **cifar)
+  assert cfg.physical_batch_size == 16
+  with pytest.raises(flags.IllegalFlagValueError, match="--physical_batch_size"):
+    parse_launcher_flags("--batch_size=64", "--physical_batch_size=250", **cifar)
+  flagfile = tmp_path / "chunks.flags"
+  flagfile.write_text("--physical_batch_size=250\n")
+  with pytest.raises(flags.IllegalFlagValueError, match="--physical_batch_size"):
+    parse_launcher_flags(f"--flagfile={flagfile}", "--batch_size=64", **cifar)
+
+
 def test_flag_file_epsilon_and_command_line_sigma_conflict(tmp_path):
   from absl import flags
   flagfile = tmp_path / "eps8.flags"

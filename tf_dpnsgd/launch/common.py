@@ -330,7 +330,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   def validator(names, check):
     def checker(values):
       try:
-        check({**{n: fv[n].value for n in _FIELD_NAMES}, **values})
+        check(adapt_unset_flags({**{n: fv[n].value for n in _FIELD_NAMES}, **values},
+                                _set_by_user(fv)))
       except ValueError as e:
         raise flags.ValidationError(str(e)) from None
       return True
@@ -353,6 +354,28 @@ def _explicit(fv) -> set:
   return {n for n in PRIVACY_FLAGS if not fv[n].using_default_value}
 
 
+def _set_by_user(fv) -> set:
+  """The shared flags set on the command line, in a flag file or by assignment."""
+  return {n for n in _FIELD_NAMES if not fv[n].using_default_value}
+
+
+def adapt_unset_flags(values: dict, set_by_user) -> dict:
+  """``values`` with the flags the user did not set adapted to the ones they did.
+
+  A launcher's default ``--physical_batch_size`` (e.g. 250) larger than the
+  ``--batch_size`` the user gave (e.g. 64) becomes that batch size (one chunk
+  per batch), instead of failing. A ``--physical_batch_size`` the user set
+  (command line or flag file) is never changed: a wrong one stays an error.
+  Returns a new dict; ``values`` is not modified.
+  """
+  out = dict(values)
+  physical, batch = out.get("physical_batch_size"), out.get("batch_size")
+  if ("physical_batch_size" not in set_by_user and physical is not None and batch is not None
+      and batch >= 1 and physical > batch):
+    out["physical_batch_size"] = batch
+  return out
+
+
 def config_from_flags(flag_values: Optional[flags.FlagValues] = None) -> ExperimentConfig:
   """The run's config from the parsed flags (privacy flags resolved by
   :func:`resolve_privacy`).
@@ -361,7 +384,7 @@ def config_from_flags(flag_values: Optional[flags.FlagValues] = None) -> Experim
     LaunchError: an invalid combination (normally caught earlier by the validators).
   """
   fv = flags.FLAGS if flag_values is None else flag_values
-  values = {n: fv[n].value for n in _FIELD_NAMES}
+  values = adapt_unset_flags({n: fv[n].value for n in _FIELD_NAMES}, _set_by_user(fv))
   try:
     values["noise_multiplier"], values["target_epsilon"] = resolve_privacy(
         values["optimizer"], values["noise_multiplier"], values["target_epsilon"], _explicit(fv))
