@@ -40,6 +40,7 @@ added to the sum of contributions, then the result is divided by the
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import keras
@@ -191,12 +192,11 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     if kwargs:
       raise ValueError(f"{type(self).__name__} does not take {sorted(kwargs)}; set optimizer "
                        "options on the wrapped optimizer.")
-    if noise_multiplier is None:
-      raise ValueError("A private optimizer needs `noise_multiplier` (>= 0).")
     transform = make_transform(regularizer, l2_norm_clip)
-    noise_multiplier = noise_lib.validate_noise_multiplier(noise_multiplier)
+    if noise_multiplier is not None:
+      noise_multiplier = noise_lib.validate_noise_multiplier(noise_multiplier)
     adaptive, count_stddev = make_adaptive_clip(
-        noise_multiplier, regularizer, l2_norm_clip, target_unclipped_quantile,
+        noise_multiplier or 0.0, regularizer, l2_norm_clip, target_unclipped_quantile,
         clip_learning_rate, clipped_count_stddev)
     inner = _check_inner(inner_optimizer)
     super().__init__(learning_rate=0.0, name=name or f"private_{inner.name}")
@@ -214,6 +214,34 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
                     DeprecationWarning, stacklevel=2)
     self._dp_applying = False
     self._noise_key = None
+
+  def take_noise_multiplier(self, noise_multiplier: float) -> None:
+    """Sets the noise multiplier from the model's privacy plan (``noise_multiplier=None``
+    at construction); one already given must agree with it.
+
+    Raises:
+      ValueError: a different noise multiplier was given, or the train step was
+        already built with another one.
+    """
+    sigma = noise_lib.validate_noise_multiplier(noise_multiplier)
+    if self.noise_multiplier is not None:
+      if not math.isclose(self.noise_multiplier, sigma, rel_tol=1e-9, abs_tol=0.0):
+        raise ValueError(
+            f"The optimizer's noise_multiplier ({self.noise_multiplier!r}) differs from the "
+            f"model's privacy plan ({sigma!r}): the reported epsilon would not describe this "
+            "training. Leave noise_multiplier unset (the plan's is taken) or make them agree.")
+      return
+    if self._clipped_count_stddev is not None:
+      noise_lib.gradient_noise_multiplier(sigma, self._clipped_count_stddev)  # may raise
+    self.noise_multiplier = sigma
+
+  def _require_noise_multiplier(self) -> float:
+    if self.noise_multiplier is None:
+      raise ValueError(
+          f"{self.name}: no noise_multiplier. Give one, or compile a model made with "
+          "tf_dpnsgd.make_private(model, target_epsilon=... or noise_multiplier=..., delta=..., "
+          "batch_size=..., epochs=...), whose privacy plan sets it.")
+    return self.noise_multiplier
 
   # --- the transform's parameters ----------------------------------------------
   @property
@@ -304,7 +332,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     Under adaptive clipping it changes with the clip and the batch size: see
     :meth:`gradient_noise_multiplier` and :attr:`current_l2_norm_clip`.
     """
-    if self.noise_multiplier == 0:  # also for an infinite clip (0 * inf would be NaN)
+    if self._require_noise_multiplier() == 0:  # also for an infinite clip (0 * inf is NaN)
       return 0.0
     if self.adaptive_clip is not None:
       raise ValueError("With adaptive clipping the noise std is gradient_noise_multiplier("
@@ -383,6 +411,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     if step is None:
       raise ValueError("privatize() needs `step`, the model's privacy-ledger step that keys "
                        "the noise draw (the DP train step passes it).")
+    self._require_noise_multiplier()
     if self._noise_key is None:
       raise RuntimeError("Build the optimizer before privatize() (its noise key is drawn "
                          "at build time).")
@@ -599,9 +628,9 @@ class _Named(PrivateOptimizer):
     unknown = set(base_kwargs) - _BASE_KEYS
     if unknown:
       raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(unknown)}.")
-    if noise_multiplier is None or (regularizer is None and l2_norm_clip is None):
-      raise ValueError(f"{type(self).__name__} needs `{self._signature[0]}` (> 0) and "
-                       "`noise_multiplier` (>= 0).")
+    if regularizer is None and l2_norm_clip is None:
+      raise ValueError(f"{type(self).__name__} needs `{self._signature[0]}` (> 0); "
+                       "`noise_multiplier` (>= 0) too, unless the model's privacy plan sets it.")
     inner = self._inner_cls(learning_rate=learning_rate, **inner_kwargs, **base_kwargs)
     super().__init__(inner, noise_multiplier=noise_multiplier, regularizer=regularizer,
                      l2_norm_clip=l2_norm_clip, seed=seed, num_microbatches=num_microbatches,

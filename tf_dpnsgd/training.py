@@ -37,6 +37,8 @@ from tf_dpnsgd import guard as guard_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import lineage as lineage_lib
 from tf_dpnsgd import losses as losses_lib
+from tf_dpnsgd import owned_plan as owned_plan_lib
+from tf_dpnsgd import plan as plan_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import DPOptimizerMixin
 from tf_dpnsgd import per_example as per_example_lib
@@ -191,10 +193,11 @@ class _DPTrainer:
   """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
 
   _dp_keys = ("per_example", "physical_batch_size", "num_microbatches",
-              "trust_untagged_batches", "public_state")
+              "trust_untagged_batches", "public_state", "privacy_plan")
 
   def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None,
-                      trust_untagged_batches=False, public_state=(), privacy_ledger=None):
+                      trust_untagged_batches=False, public_state=(), privacy_ledger=None,
+                      privacy_plan=None):
     if num_microbatches is not None and (
         isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
         or num_microbatches < 1):
@@ -218,6 +221,10 @@ class _DPTrainer:
       raise ValueError(f"`public_state` must be a list of layer names; got {public_state!r}.")
     self._dp_trust_untagged = trust_untagged_batches
     self._dp_public_state = tuple(public_state)
+    if isinstance(privacy_plan, dict):
+      privacy_plan = owned_plan_lib.plan_from_config(privacy_plan)
+    self._dp_owned_plan = privacy_plan  # None, a PlanRequest (N from the first fit) or a plan
+    self._dp_plan = privacy_plan if isinstance(privacy_plan, plan_lib.PrivacyPlan) else None
     self._dp_loss_fn = None
     self._dp_engine = None
     if privacy_ledger is not None:
@@ -228,6 +235,42 @@ class _DPTrainer:
       _attach_ledger(self, ledger_lib.PrivacyLedger())
     if not hasattr(self, "_dp_guard"):
       object.__setattr__(self, "_dp_guard", guard_lib.GuardState())
+
+  # --- the plan the model owns (make_private(model, target_epsilon=...)) ---------
+  @property
+  def privacy_plan(self):
+    """The :class:`~tf_dpnsgd.plan.PrivacyPlan` this model trains under (None before the
+    first ``fit`` fixed ``N``, or for a model without privacy keywords)."""
+    return self._dp_plan
+
+  def privacy_report(self):
+    """The privacy report of the steps this model's ledger executed (its own plan)."""
+    if self._dp_plan is None:
+      raise ValueError("This model owns no resolved privacy plan: build it with "
+                       "tf_dpnsgd.make_private(model, target_epsilon=..., delta=..., "
+                       "batch_size=..., epochs=...) and fit it, or use plan.report(model).")
+    return self._dp_plan.report(self)
+
+  def _dp_resolve_plan(self, dataset_size: int):
+    """The owned plan for ``dataset_size`` examples; gives its noise to the optimizer."""
+    owned = self._dp_owned_plan
+    if self._dp_plan is None:
+      if owned.dataset_size not in (None, dataset_size):
+        raise ValueError(f"The model's privacy plan is for N = {owned.dataset_size} examples, "
+                         f"but fit got {dataset_size}.")
+      self._dp_plan = owned.resolve(dataset_size)
+    if self._dp_plan.dataset_size != dataset_size:
+      raise ValueError(
+          f"The model's privacy plan is for N = {self._dp_plan.dataset_size} examples, but "
+          f"fit got {dataset_size}: one plan accounts for one data set (epsilon depends on N).")
+    self._dp_give_plan_noise()
+    return self._dp_plan
+
+  def _dp_give_plan_noise(self):
+    if self._dp_plan is None or getattr(self, "optimizer", None) is None:
+      return
+    self.optimizer.take_noise_multiplier(self._dp_plan.training_noise_multiplier)
+    self._dp_plan.check_optimizer(self.optimizer)
 
   @property
   def trust_untagged_batches(self) -> bool:
@@ -269,7 +312,8 @@ class _DPTrainer:
             "physical_batch_size": self._dp_physical_batch_size,
             "num_microbatches": self._dp_num_microbatches,
             "trust_untagged_batches": self._dp_trust_untagged,
-            "public_state": list(self._dp_public_state)}
+            "public_state": list(self._dp_public_state),
+            "privacy_plan": owned_plan_lib.plan_config(self._dp_owned_plan)}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
@@ -325,6 +369,12 @@ class _DPTrainer:
       self._compile_config.config["loss_scale"] = self._dp_loss_scale
     self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
     self._dp_guard.probe_pending = True  # probe the next batch
+    if self._dp_owned_plan is not None and self._dp_plan is None \
+        and self._dp_owned_plan.dataset_size is not None:
+      self._dp_plan = self._dp_owned_plan.resolve(self._dp_owned_plan.dataset_size)
+    self._dp_give_plan_noise()
+    if self.optimizer.noise_multiplier is None and self._dp_owned_plan is None:
+      self.optimizer._require_noise_multiplier()  # raises: say where sigma comes from
 
   @property
   def loss_scale(self) -> float:
@@ -364,14 +414,17 @@ class _DPTrainer:
     (:mod:`tf_dpnsgd.lineage`).
     """
     bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-    x = bound.arguments.get("x")
+    arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+    if self._dp_owned_plan is not None:  # the model draws its own plan's batches
+      arguments = owned_plan_lib.fit_arguments(self, arguments)
+    x = arguments.get("x")
     guard = self._dp_guard
     coverage.check_data_derived_state(self, self._dp_public_state)  # adapted after compile?
     guard.batch_source = "arrays" if _is_in_memory(x) else "other"
     guard.fit_checks_pending = True
-    self._note_fit_callbacks(bound.arguments.get("callbacks"))
+    self._note_fit_callbacks(arguments.get("callbacks"))
     try:
-      return super().fit(*args, **kwargs)
+      return super().fit(**arguments)
     finally:
       guard.batch_source = None
       self._record_lineage()
@@ -619,10 +672,12 @@ class DPModel(_DPTrainer, keras.Model):
   """
 
   def __init__(self, *args, per_example="auto", physical_batch_size=None, num_microbatches=None,
-               trust_untagged_batches=False, public_state=(), privacy_ledger=None, **kwargs):
+               trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
+               **kwargs):
     super().__init__(*args, **kwargs)
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
-                         trust_untagged_batches, public_state, privacy_ledger)
+                         trust_untagged_batches, public_state, privacy_ledger,
+                         privacy_plan)
 
   def get_config(self):
     config = super().get_config()
@@ -643,11 +698,13 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
   """DP training around a subclassed Keras model (made by :func:`make_private`)."""
 
   def __init__(self, model, per_example="auto", physical_batch_size=None, num_microbatches=None,
-               trust_untagged_batches=False, public_state=(), privacy_ledger=None, **kwargs):
+               trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
+               **kwargs):
     super().__init__(**kwargs)
     self.model = model
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
-                         trust_untagged_batches, public_state, privacy_ledger)
+                         trust_untagged_batches, public_state, privacy_ledger,
+                         privacy_plan)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
@@ -666,9 +723,20 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
 
 
 def make_private(model: keras.Model, per_example="auto", physical_batch_size=None,
-                 num_microbatches=None, trust_untagged_batches=False,
-                 public_state=()) -> keras.Model:
+                 num_microbatches=None, trust_untagged_batches=False, public_state=(), *,
+                 target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
+                 epochs=None, steps=None, sampling="poisson", accountant="rdp",
+                 dataset_size=None, plan=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
+
+  One call (:mod:`tf_dpnsgd.owned_plan`)::
+
+      private = tf_dpnsgd.make_private(model, target_epsilon=4.0, delta=1e-5,
+                                       batch_size=256, epochs=10)
+      private.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01),
+                      loss=..., metrics=[...])
+      private.fit(x, y, validation_data=(x_val, y_val))   # the plan's Poisson batches
+      print(private.privacy_report().statement())
 
   Functional and Sequential models become a :class:`DPModel` over the same
   graph; subclassed models are wrapped. Training the result updates the
@@ -686,6 +754,12 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       epoch" as not covered.
     public_state: names of layers whose data-derived state (e.g. an adapted
       ``Normalization``) the user declares public; listed by the report.
+    target_epsilon / noise_multiplier, delta, batch_size, epochs / steps,
+      sampling, accountant, dataset_size: the privacy plan the model owns
+      (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``dataset_size``
+      defaults to the number of examples of the first ``fit``). Or ``plan=``
+      a ``PrivacyPlan``. Without them the model owns no plan (the explicit
+      path: ``plan.dataset``, ``plan.callbacks()``, ``plan.fit_kwargs``).
 
   Raises:
     ValueError: if the model contains a layer that breaks per-example privacy
@@ -699,11 +773,15 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
+  owned = owned_plan_lib.request_of(
+      plan, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, delta=delta,
+      batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
+      accountant=accountant, dataset_size=dataset_size)
   ledger = _ledger_for(model)
   object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
                  num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
-                 public_state=public_state, privacy_ledger=ledger)
+                 public_state=public_state, privacy_ledger=ledger, privacy_plan=owned)
   if inputs is not None and outputs is not None:
     return DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
   logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)

@@ -1,0 +1,234 @@
+"""The plan a private model owns: ``make_private(model, target_epsilon=...)``, then plain ``fit``.
+
+With privacy keywords, :func:`tf_dpnsgd.make_private` returns a model that
+owns its :class:`~tf_dpnsgd.plan.PrivacyPlan`, so the four links of the
+explicit path (optimizer noise, sampler, callbacks, fit arguments) are made
+by the package, not by hand:
+
+* ``compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=..., regularizer=...))``
+  takes the plan's noise multiplier when the optimizer has none; one that
+  disagrees with the plan is an error;
+* ``fit(x, y, validation_data=...)`` on in-memory arrays (or dicts of them)
+  or on an UNBATCHED ``tf.data.Dataset`` of examples draws the plan's batches
+  itself (Poisson by default, tagged for the privacy ledger), runs the plan's
+  number of steps, shows ``epsilon`` in the progress bar and history and
+  stops at the budget. A ``batch_size``/``epochs``/``steps_per_epoch`` that
+  disagrees with the plan is an error; a batched dataset is refused unless it
+  came from ``plan.dataset`` (the explicit path, passed through unchanged);
+* ``model.privacy_report()`` is the report of what the ledger executed.
+
+``N`` (the dataset size) is taken from the first ``fit`` unless given; the
+noise multiplier is calibrated then (for ``target_epsilon``), and a later
+``fit`` on a different number of examples is refused (the plan is for one
+data set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import plan as plan_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+  """The privacy keywords of ``make_private`` before ``N`` is known (frozen, validated)."""
+
+  delta: float
+  batch_size: int
+  target_epsilon: Optional[float] = None
+  noise_multiplier: Optional[float] = None
+  epochs: Optional[float] = None
+  steps: Optional[int] = None
+  sampling: str = "poisson"
+  accountant: str = "rdp"
+  dataset_size: Optional[int] = None
+
+  def __post_init__(self):
+    if (self.target_epsilon is None) == (self.noise_multiplier is None):
+      raise ValueError("make_private: give exactly one of `target_epsilon` and "
+                       "`noise_multiplier`.")
+    if (self.epochs is None) == (self.steps is None):
+      raise ValueError("make_private: give exactly one of `epochs` and `steps`.")
+    if self.dataset_size is not None:
+      self.resolve(self.dataset_size)  # validates everything now
+
+  def resolve(self, dataset_size: int, seed: Optional[int] = None) -> plan_lib.PrivacyPlan:
+    return plan_lib.PrivacyPlan(dataset_size=int(dataset_size), batch_size=self.batch_size,
+                                sampling=self.sampling, delta=self.delta, steps=self.steps,
+                                epochs=self.epochs, noise_multiplier=self.noise_multiplier,
+                                target_epsilon=self.target_epsilon, accountant=self.accountant,
+                                seed=seed)
+
+  def to_config(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def request_of(plan=None, **keywords):
+  """``None`` (no privacy keywords), a :class:`PlanRequest` or the given ``PrivacyPlan``."""
+  given = {k: v for k, v in keywords.items() if v is not None}
+  if plan is not None:
+    if given:
+      raise ValueError(f"make_private: give `plan=` or the privacy keywords, not both "
+                       f"(got plan and {sorted(given)}).")
+    if not isinstance(plan, plan_lib.PrivacyPlan):
+      raise TypeError(f"`plan` must be a tf_dpnsgd.PrivacyPlan; got {plan!r}.")
+    return plan
+  privacy = {k: v for k, v in given.items() if k != "sampling" and k != "accountant"}
+  if not privacy:
+    return None
+  missing = [k for k in ("delta", "batch_size") if k not in given]
+  if missing:
+    raise ValueError(f"make_private: a private model's plan needs {missing} too (with "
+                     f"{sorted(privacy)}).")
+  return PlanRequest(**given)
+
+
+def plan_from_config(config):
+  if config is None:
+    return None
+  if "training_noise_multiplier" in config or "calibration_tolerance" in config:
+    fields = {f.name for f in dataclasses.fields(plan_lib.PrivacyPlan)}
+    return plan_lib.PrivacyPlan(**{k: v for k, v in config.items() if k in fields})
+  return PlanRequest(**config)
+
+
+def plan_config(owned) -> Optional[dict]:
+  """What a saved model keeps of its plan: the public fields (never the sampler seed)."""
+  if owned is None:
+    return None
+  if isinstance(owned, plan_lib.PrivacyPlan):
+    return owned.public_dict()
+  return owned.to_config()
+
+
+# --- fit -----------------------------------------------------------------------------
+def is_tagged_dataset(x) -> bool:
+  """Whether ``x`` is a dataset of sampler batches (``plan.dataset``: the explicit path)."""
+  if not isinstance(x, tf.data.Dataset):
+    return False
+  spec = x.element_spec
+  return (isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[2], dict)
+          and ledger_lib.DP_KIND_KEY in spec[2])
+
+
+def _leading(structure) -> int:
+  sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(structure)}
+  if len(sizes) != 1:
+    raise ValueError(f"All arrays must have the same number of examples; got {sorted(sizes)}.")
+  return sizes.pop()
+
+
+def examples_of(dataset: tf.data.Dataset):
+  """``(x, y)`` NumPy structures of an UNBATCHED dataset of ``(x, y)`` examples.
+
+  Raises:
+    ValueError: a batched dataset (its leading dimension is unknown), or
+      elements that are not ``(x, y)`` pairs.
+  """
+  spec = dataset.element_spec
+  if not (isinstance(spec, tuple) and len(spec) == 2):
+    raise ValueError("A private model's fit takes a dataset of (x, y) EXAMPLES; got elements "
+                     f"{spec}.")
+  if any(s.shape.rank and s.shape[0] is None for s in tf.nest.flatten(spec)):
+    raise ValueError(
+        "This dataset looks batched (its leading dimension is unknown): a private model draws "
+        "its own batches (so that they are the ones the plan accounts for). Pass unbatched "
+        "examples (dataset.unbatch()), the arrays, or batches from "
+        "model.privacy_plan.dataset(x, y, model=model).")
+  xs, ys = [], []
+  for xb, yb in dataset.batch(8192).as_numpy_iterator():
+    xs.append(xb)
+    ys.append(yb)
+  if not xs:
+    raise ValueError("The dataset is empty.")
+  join = lambda parts: tf.nest.map_structure(lambda *a: np.concatenate(a), *parts)  # noqa: E731
+  return join(xs), join(ys)
+
+
+def _split(structure, n_train):
+  return (tf.nest.map_structure(lambda a: np.asarray(a)[:n_train], structure),
+          tf.nest.map_structure(lambda a: np.asarray(a)[n_train:], structure))
+
+
+def fit_arguments(model, arguments: dict) -> dict:
+  """The arguments of ``keras.Model.fit`` for a plain ``fit`` call of a plan-owning model.
+
+  Args:
+    model: a DP model that owns a plan (``model._dp_owned_plan``).
+    arguments: the bound arguments of the user's ``fit`` call.
+
+  Returns:
+    The arguments to pass on (data from the plan's sampler, its callbacks and
+    step counts), or ``arguments`` unchanged for batches from ``plan.dataset``.
+  """
+  args = dict(arguments)
+  x, y = args.pop("x", None), args.pop("y", None)
+  if is_tagged_dataset(x):
+    return dict(arguments)
+  if isinstance(x, tf.data.Dataset):
+    if y is not None:
+      raise ValueError("`y` must be None when `x` is a dataset of (x, y) examples.")
+    x, y = examples_of(x)
+  elif y is None:
+    raise ValueError("A private model's fit needs the labels `y` (or a dataset of (x, y) "
+                     "examples).")
+  for name in ("sample_weight", "class_weight"):
+    if args.get(name) is not None:
+      raise ValueError(f"DP training does not take `{name}`: weights change each example's "
+                       "contribution and hence the sensitivity.")
+  split = float(args.pop("validation_split", 0.0) or 0.0)
+  if split:
+    if args.get("validation_data") is not None:
+      raise ValueError("Give `validation_split` or `validation_data`, not both.")
+    n_train = int(_leading(x) * (1.0 - split))
+    (x, x_val), (y, y_val) = _split(x, n_train), _split(y, n_train)
+    args["validation_data"] = (x_val, y_val)
+  plan = model._dp_resolve_plan(_leading(x))
+  _check_against_plan(plan, args, model)
+  fit_kwargs = plan.fit_kwargs(model)
+  user_callbacks = list(args.pop("callbacks", None) or [])
+  for key in ("batch_size", "epochs", "steps_per_epoch", "initial_epoch", "shuffle"):
+    args.pop(key, None)
+  args.update(fit_kwargs)
+  args["x"] = plan.dataset(x, y, model=model)
+  args["shuffle"] = False  # the sampler draws the batches
+  args["callbacks"] = plan.callbacks() + user_callbacks
+  return args
+
+
+def _check_against_plan(plan, args, model) -> None:
+  batch_size = args.get("batch_size")
+  if batch_size is not None and int(batch_size) != plan.batch_size:
+    raise ValueError(
+        f"fit(batch_size={batch_size}) but the model's privacy plan draws batches of "
+        f"{plan.batch_size} (expected size under Poisson sampling): omit batch_size, or "
+        f"make_private(..., batch_size={batch_size}) (the epsilon depends on it).")
+  epochs = args.get("epochs")  # only the arguments the user passed are bound
+  if epochs is not None:
+    planned = plan.epochs
+    if planned is None:
+      raise ValueError(f"fit(epochs={epochs}) but the model's privacy plan fixes the number "
+                       f"of steps ({plan.num_steps}): omit epochs.")
+    if not math.isclose(float(epochs), float(planned)):
+      raise ValueError(
+          f"fit(epochs={epochs}) but the model's privacy plan runs {planned:g} epochs (its "
+          f"epsilon is for {plan.num_steps} steps): omit epochs, or "
+          f"make_private(..., epochs={epochs}).")
+  steps = args.get("steps_per_epoch")
+  if steps is not None and int(steps) != plan.spec.steps_per_epoch:
+    raise ValueError(f"fit(steps_per_epoch={steps}) disagrees with the privacy plan "
+                     f"({plan.spec.steps_per_epoch} steps per epoch): omit it.")
+  initial = args.get("initial_epoch")
+  if initial not in (None, 0) and initial != plan.fit_kwargs(model)["initial_epoch"]:
+    raise ValueError("fit(initial_epoch=...) is set by the privacy ledger: omit it.")
+
+
+__all__ = ["PlanRequest", "examples_of", "fit_arguments", "is_tagged_dataset", "plan_config",
+           "plan_from_config", "request_of"]
