@@ -313,7 +313,7 @@ class _DPTrainer:
             "num_microbatches": self._dp_num_microbatches,
             "trust_untagged_batches": self._dp_trust_untagged,
             "public_state": list(self._dp_public_state),
-            "privacy_plan": owned_plan_lib.plan_config(self._dp_owned_plan)}
+            "privacy_plan": owned_plan_lib.plan_config(self._dp_plan or self._dp_owned_plan)}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
