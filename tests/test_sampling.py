@@ -11,7 +11,7 @@ from scipy import stats
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import sampling
-from tf_dpnsgd.training import DP_DENOMINATOR_KEY, DP_MASK_KEY
+from tf_dpnsgd.ledger import DP_DENOMINATOR_KEY, DP_MASK_KEY
 
 
 def toy_data(n, d=3, seed=0):

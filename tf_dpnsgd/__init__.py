@@ -13,9 +13,11 @@ Public API:
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks
+from tf_dpnsgd import coverage
 from tf_dpnsgd import data
 from tf_dpnsgd import export
 from tf_dpnsgd import ledger
+from tf_dpnsgd import lineage
 from tf_dpnsgd import models
 from tf_dpnsgd import noise
 from tf_dpnsgd import sampling
@@ -24,14 +26,14 @@ from tf_dpnsgd import transforms
 from tf_dpnsgd.interaction import ExampleInteractionError
 from tf_dpnsgd.ledger import LedgerMismatchError, PrivacyLedger, ledger_of
 from tf_dpnsgd.plan import PrivacyPlan
-from tf_dpnsgd.optimizers import (DPAdam, DPNAdam, DPNSGD, DPSGD, DPOptimizerMixin,
+from tf_dpnsgd.optimizers import (DPAdam, DPNAdam, DPNSGD, DPSGD,
                                   PrivateOptimizer, make_private_optimizer)
 from tf_dpnsgd.training import DPModel, PrivateModelWrapper, make_private, validate_layers
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "DPOptimizerMixin", "PrivateOptimizer",
+    "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "PrivateOptimizer",
     "make_private_optimizer", "DPModel", "PrivateModelWrapper",
     "make_private", "validate_layers", "PrivacyPlan", "PrivacyLedger", "LedgerMismatchError",
     "ExampleInteractionError",

@@ -606,10 +606,6 @@ def make_private_optimizer(optimizer, *, noise_multiplier, regularizer=None, l2_
                           clipped_count_stddev=clipped_count_stddev)
 
 
-# Kept for code that checks ``isinstance(opt, DPOptimizerMixin)``.
-DPOptimizerMixin = PrivateOptimizer
-
-
 class _Named(PrivateOptimizer):
   """A named private optimizer: ``get_config`` mirrors ``__init__`` (Keras style)."""
 
@@ -777,5 +773,5 @@ class DPNAdam(_Named):
                             "amsgrad": amsgrad}, kwargs)
 
 
-__all__ = ["ADAPTIVE_KEYS", "DPAdam", "DPNAdam", "DPNSGD", "DPOptimizerMixin", "DPSGD", "PrivateOptimizer",
+__all__ = ["ADAPTIVE_KEYS", "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "PrivateOptimizer",
            "make_adaptive_clip", "make_private_optimizer", "make_transform"]

@@ -40,12 +40,10 @@ from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import owned_plan as owned_plan_lib
 from tf_dpnsgd import plan as plan_lib
 from tf_dpnsgd import transforms
-from tf_dpnsgd.optimizers import DPOptimizerMixin
+from tf_dpnsgd.optimizers import PrivateOptimizer
 from tf_dpnsgd import per_example as per_example_lib
 from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
 
-DP_MASK_KEY = ledger_lib.DP_MASK_KEY  # kept here for backward compatibility
-DP_DENOMINATOR_KEY = ledger_lib.DP_DENOMINATOR_KEY
 
 _MIXING_LAYERS = (keras.layers.BatchNormalization,)
 
@@ -75,16 +73,6 @@ def validate_layers(model) -> None:
       raise ValueError(
           f"Layer '{layer.name}' has an activity_regularizer: its data-dependent loss "
           "would bypass per-example clipping. Remove it or fold it into the loss.")
-
-
-def parse_dp_weights(sample_weight):
-  """Splits the third batch element into ``(mask, denominator)``; rejects anything else.
-
-  (Kept for compatibility; the train step uses :func:`tf_dpnsgd.ledger.parse_batch_weights`,
-  which also returns the sampler's tags.)
-  """
-  mask, denominator, _ = ledger_lib.parse_batch_weights(sample_weight)
-  return mask, denominator
 
 
 def _share_noise_key(optimizer, strategy) -> None:
@@ -347,7 +335,7 @@ class _DPTrainer:
     self._dp_loss_scale = (loss_scale_lib.default_loss_scale(self) if loss_scale is None
                            else loss_scale_lib.validate_loss_scale(loss_scale))
     optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
-    if not isinstance(optimizer, DPOptimizerMixin):
+    if not isinstance(optimizer, PrivateOptimizer):
       raise TypeError(
           f"{type(self).__name__} needs a DP optimizer (tf_dpnsgd.DPNSGD, DPSGD, DPAdam or "
           f"DPNAdam); got {optimizer!r}. For non-private training use a plain keras.Model.")
@@ -586,7 +574,8 @@ class _DPTrainer:
     y_pred = out.y_pred
     if mask is not None:
       # Keras' compiled `metrics` ignore sample weights: drop the padded rows instead.
-      x, y, y_pred = tf.nest.map_structure(lambda t: tf.boolean_mask(t, mask), (x, y, y_pred))
+      x, y, y_pred = tf.nest.map_structure(lambda t: gather_rows(t, tf.where(mask)[:, 0]),
+                                           (x, y, y_pred))
     return self.compute_metrics(x, y, y_pred, sample_weight=None)
 
   def _update_dp_trackers(self, out, mask, reg_loss, num_microbatches):
@@ -633,7 +622,7 @@ class _DPTrainer:
     extra = [getattr(self, n, None) for n in self._DP_TRACKER_NAMES]
     metrics += [m for m in extra if m is not None and m not in metrics]
     optimizer = getattr(self, "optimizer", None)
-    if not (isinstance(optimizer, DPOptimizerMixin)
+    if not (isinstance(optimizer, PrivateOptimizer)
             and isinstance(optimizer.transform, transforms.Clip)):
       clip_only = (extra[1], extra[3])  # clipping stats and the clip only for Clip
       metrics = [m for m in metrics if all(m is not c for c in clip_only)]

@@ -506,20 +506,10 @@ def truncated_negative_binomial_for_success(eta: float, good_fraction: float,
   return TruncatedNegativeBinomial(eta, math.exp(lo))
 
 
-def __getattr__(name):
-  """``robustness_summary`` moved to :mod:`tf_dpnsgd.sweeps.results` (beside the sweep
-  results it summarises); the old name still works. Imported on first use, so that
-  this module does not import the sweeps library (which imports this module)."""
-  if name == "robustness_summary":
-    from tf_dpnsgd.sweeps.results import robustness_summary  # lazy: see the docstring
-    return robustness_summary
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "Poisson", "RunPrivacy", "TruncatedNegativeBinomial", "TuningError", "TuningRdp",
     "common_orders", "composed_rdp", "default_distributions", "monotone_rdp",
     "poisson_for_success", "random_search_success", "rdp_to_delta", "rdp_to_epsilon",
-    "robustness_summary", "run_rdp", "truncated_negative_binomial_for_success",
+    "run_rdp", "truncated_negative_binomial_for_success",
     "tuning_epsilon", "tuning_privacy", "validate_curve", "worst_case_rdp",
 ]
