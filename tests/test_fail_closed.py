@@ -72,6 +72,7 @@ def test_a_second_make_private_of_the_same_model_continues_the_first_ledger():
   base.get_layer("body").trainable = True  # phase 2: all layers, a new wrapper
   everything = compile_(tf_dpnsgd.make_private(base))
   assert everything.privacy_ledger.steps == 4  # before the fix: 0 (the first phase vanished)
+  assert everything.privacy_ledger is head_only.privacy_ledger  # one ledger, not a restored copy
   first = next(iter(plan.dataset(x, y, model=everything)))
   assert int(first[2]["dp_step"][0]) == 4  # the stream does not replay phase 1's batches
   with pytest.raises(LedgerMismatchError, match="replayed or skipped"):
