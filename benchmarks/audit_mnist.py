@@ -1,4 +1,4 @@
-"""The MNIST audit of docs/auditing.md: claimed epsilon vs. one-run lower bound.
+"""The MNIST audit of docs/auditing.md: claimed epsilon vs. the one-run lower bounds.
 
 For each optimizer (DP-NSGD, DP-SGD), each target epsilon (and no noise)
 and each canary kind (white-box Dirac gradient canaries, black-box
@@ -16,10 +16,16 @@ the run's PrivacyPlan (Poisson sampling) and audits it
       --batch_size=128 --epochs=60 --score=margin --out_dir=runs/audit/mnist_b128 \
       --figures_dir=docs/figures --figure_prefix=audit_mnist_b128
 
+Every cell reports both one-run lower bounds from the same guesses (Steinke,
+Nasr, Jagielski 2023 and the f-DP bound of Mahloujifar, Melis, Chaudhuri 2025;
+:class:`tf_dpnsgd.audit.CanaryScoreAuditor`); cells written before the f-DP bound
+existed are re-audited from their saved scores. ``--repeats=R`` trains every cell
+``R`` times (fresh coins, noise and batches; cells ``<cell>_r1``, ...).
+
 Writes ``out_dir/<cell>/audit_report.json`` and ``audit_scores.png`` per cell,
 ``out_dir/results.json`` (one row per cell, with the white-box audit of an ideal
-Gaussian mechanism of the same sigma, T, q and m, simulated), a markdown table on
-stdout, and into ``figures_dir``: ``<prefix>_claimed_vs_lower.png`` (both methods)
+Gaussian mechanism of the same sigma, T, q and m, simulated, for both bounds), a
+markdown table on stdout, and into ``figures_dir``: ``<prefix>_claimed_vs_lower.png`` (both methods)
 and the score histograms of a few cells (``<prefix>_scores_<cell>.png``). Coins,
 noise and sampler seeds come from the OS (a real audit); ``--audit_seed`` fixes the coins only.
 """
@@ -43,29 +49,41 @@ METHODS = {
 }
 
 
-def cell_name(method, kind, eps):
+def cell_name(method, kind, eps, repeat=0):
   tag = "nonoise" if eps is None else f"eps{eps:g}"
-  return f"{METHODS[method][0]}_{kind}_{tag}"
+  return f"{METHODS[method][0]}_{kind}_{tag}" + (f"_r{repeat}" if repeat else "")
 
 
 def simulated_white_box(noise_multiplier, steps, dataset_size, batch_size, num_canaries, delta,
                         draws=20, seed=0):
   """The white-box audit of an ideal mechanism with the same (sigma, T, q, m): each canary's
-  score is (number of batches holding it) + sigma sqrt(T) Z, nothing else. Returns the 5%,
-  50% and 95% quantiles of the lower bound over ``draws`` coin/noise/sampling draws."""
+  score is (number of batches holding it) + sigma sqrt(T) Z, nothing else. Returns
+  ``{method: [5%, 50%, 95%]}``, the quantiles of each lower bound over ``draws``
+  coin/noise/sampling draws."""
   import numpy as np
 
   from tf_dpnsgd import audit
   rng = np.random.default_rng(seed)
   q = batch_size / dataset_size
-  values = []
+  values = {"steinke": [], "fdp": []}
   for _ in range(draws):
     included = rng.random(num_canaries) < 0.5
     hits = rng.binomial(steps, q, num_canaries)
     scores = (np.where(included, hits, 0)
               + noise_multiplier * np.sqrt(steps) * rng.normal(size=num_canaries))
-    values.append(audit.audit_scores(scores, included, delta=delta).epsilon_lower_bound)
-  return [float(v) for v in np.quantile(values, [0.05, 0.5, 0.95])]
+    result = audit.CanaryScoreAuditor.from_scores(scores, included).audit(delta)
+    for method in values:
+      values[method].append(result.bounds[method].epsilon_lower_bound)
+  return {k: [float(x) for x in np.quantile(v, [0.05, 0.5, 0.95])] for k, v in values.items()}
+
+
+def audit_of_report(d, delta):
+  """The auditor's result for a saved report (its f-DP bound and measures, recomputed from
+  the saved scores when the report predates them)."""
+  if d.get("canary_audit"):
+    return d["canary_audit"]
+  from tf_dpnsgd import audit
+  return audit.CanaryScoreAuditor(d["scores_in"], d["scores_out"]).audit(delta).to_dict()
 
 
 def run_cell(args, method, kind, eps, cell_dir):
@@ -109,6 +127,7 @@ def main():
   p.add_argument("--delta", type=float, default=1e-5)
   p.add_argument("--score", default="margin")
   p.add_argument("--audit_seed", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=1, help="train every cell this many times")
   p.add_argument("--figure_prefix", default="audit_mnist",
                  help="file name prefix of the figures copied to --figures_dir")
   p.add_argument("--histograms", default=None,
@@ -117,38 +136,46 @@ def main():
 
   epsilons = [None if e == "none" else float(e) for e in args.epsilons.split(",")]
   rows = []
-  for method in args.methods.split(","):
-    for kind in args.kinds.split(","):
-      for eps in epsilons:
-        cell = cell_name(method, kind, eps)
-        cell_dir = os.path.join(args.out_dir, cell)
-        path = os.path.join(cell_dir, "audit_report.json")
-        if os.path.exists(path):
-          with open(path) as f:
-            d = json.load(f)
-          print(f"{cell}: done before", flush=True)
-        else:
-          print(f"{cell}: running", flush=True)
-          start = time.perf_counter()
-          d = run_cell(args, method, kind, eps, cell_dir)
-          print(f"{cell}: {time.perf_counter() - start:.0f} s", flush=True)
-        rows.append({"cell": cell, "method": method, "canary_kind": kind,
-                     "target_epsilon": eps, "epsilon_claimed": d["epsilon_claimed"],
-                     "epsilon_lower_bound": d["epsilon_lower_bound"],
-                     "noise_multiplier": d["noise_multiplier"], "steps": d["steps"],
-                     "dataset_size": d["dataset_size"], "num_canaries": d["num_canaries"],
-                     "num_included": d["num_included"], "k_plus": d["k_plus"],
-                     "k_minus": d["k_minus"], "num_guesses": d["num_guesses"],
-                     "num_correct": d["num_correct"], "test_accuracy": d["test_accuracy"],
-                     "clopper_pearson_comparison":
-                         d["clopper_pearson_comparison"]["epsilon_lower_bound"],
-                     "timings_seconds": d["timings_seconds"]})
-        if kind == "gradient" and eps is not None:
-          rows[-1]["ideal_white_box"] = simulated_white_box(
-              d["noise_multiplier"], d["steps"], d["dataset_size"], d["batch_size"],
-              d["num_canaries"], args.delta)
-        with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-          json.dump(rows, f, indent=1)
+  cells = [(method, kind, eps, k) for method in args.methods.split(",")
+           for kind in args.kinds.split(",") for eps in epsilons for k in range(args.repeats)]
+  for method, kind, eps, repeat in cells:
+    cell = cell_name(method, kind, eps, repeat)
+    cell_dir = os.path.join(args.out_dir, cell)
+    path = os.path.join(cell_dir, "audit_report.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        d = json.load(f)
+      print(f"{cell}: done before", flush=True)
+    else:
+      print(f"{cell}: running", flush=True)
+      start = time.perf_counter()
+      d = run_cell(args, method, kind, eps, cell_dir)
+      print(f"{cell}: {time.perf_counter() - start:.0f} s", flush=True)
+    canary_audit = audit_of_report(d, args.delta)
+    bounds = canary_audit["lower_bounds"]
+    rows.append({"cell": cell, "method": method, "canary_kind": kind,
+                 "target_epsilon": eps, "epsilon_claimed": d["epsilon_claimed"],
+                 "epsilon_lower_bound": bounds["steinke"]["epsilon_lower_bound"],
+                 "epsilon_lower_bound_fdp": bounds["fdp"]["epsilon_lower_bound"],
+                 "gdp_epsilon_estimate": canary_audit["gdp_epsilon_estimate"],
+                 "auroc": canary_audit["auroc"],
+                 "noise_multiplier": d["noise_multiplier"], "steps": d["steps"],
+                 "dataset_size": d["dataset_size"], "num_canaries": d["num_canaries"],
+                 "num_included": d["num_included"],
+                 "k_plus": bounds["steinke"]["k_plus"],
+                 "k_minus": bounds["steinke"]["k_minus"],
+                 "num_guesses": bounds["steinke"]["num_guesses"],
+                 "num_correct": bounds["steinke"]["num_correct"],
+                 "test_accuracy": d["test_accuracy"],
+                 "clopper_pearson_comparison":
+                     d["clopper_pearson_comparison"]["epsilon_lower_bound"],
+                 "timings_seconds": d["timings_seconds"]})
+    if kind == "gradient" and eps is not None:
+      rows[-1]["ideal_white_box"] = simulated_white_box(
+          d["noise_multiplier"], d["steps"], d["dataset_size"], d["batch_size"],
+          d["num_canaries"], args.delta)
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+      json.dump(rows, f, indent=1)
 
   from tf_dpnsgd import audit
   from tf_dpnsgd.audit import plots
@@ -156,20 +183,30 @@ def main():
   plots.claimed_vs_lower_bound(
       figure, rows, title=(f"MNIST MLP, batch {args.batch_size}, {args.epochs:g} epochs, "
                            f"m={args.num_canaries} canaries, one run per point"),
-      ceiling=audit.one_run_max_epsilon(args.num_canaries, delta=args.delta))
-  print(f"| method | canaries | target eps | sigma | claimed eps | lower bound (95%) | "
-        f"correct/guesses | ideal mechanism, same audit (5/50/95%) | test acc | train s | "
-        f"score s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+      ceiling=audit.one_run_max_epsilon(args.num_canaries, delta=args.delta),
+      ceiling_fdp=audit.fdp_one_run_max_epsilon(args.num_canaries, delta=args.delta))
+  print("| method | canaries | target eps | sigma | claimed eps | Steinke et al. (95%) | "
+        "f-DP (95%) | correct/guesses | ideal mechanism, Steinke / f-DP (5/50/95%) | "
+        "GDP estimate | AUROC | test acc | train s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     claimed = "inf (no noise)" if r["epsilon_claimed"] is None else f"{r['epsilon_claimed']:.2f}"
     target = "-" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
     t = r["timings_seconds"]
-    ideal = ("-" if "ideal_white_box" not in r else
-             "{:.2f} / {:.2f} / {:.2f}".format(*r["ideal_white_box"]))
+    ideal = "-"
+    if "ideal_white_box" in r:
+      ideal = " ; ".join("{:.2f} / {:.2f} / {:.2f}".format(*r["ideal_white_box"][k])
+                         for k in ("steinke", "fdp"))
     print(f"| {r['method']} | {r['canary_kind']} | {target} | {r['noise_multiplier']:.3f} | "
-          f"{claimed} | {r['epsilon_lower_bound']:.2f} | {r['num_correct']}/{r['num_guesses']} "
-          f"| {ideal} | {r['test_accuracy']:.3f} | {t['train']:.0f} | {t['score']:.3f} |")
+          f"{claimed} | {r['epsilon_lower_bound']:.2f} | {r['epsilon_lower_bound_fdp']:.2f} | "
+          f"{r['num_correct']}/{r['num_guesses']} | {ideal} | {r['gdp_epsilon_estimate']:.2f} | "
+          f"{r['auroc']:.3f} | {r['test_accuracy']:.3f} | {t['train']:.0f} |")
+  noisy = [r for r in rows if r["epsilon_claimed"] is not None]
+  at_least = sum(r["epsilon_lower_bound_fdp"] >= r["epsilon_lower_bound"] for r in rows)
+  below = sum(max(r["epsilon_lower_bound"], r["epsilon_lower_bound_fdp"]) <= r["epsilon_claimed"]
+              for r in noisy)
+  print(f"f-DP >= Steinke in {at_least}/{len(rows)} cells; no bound above its claim in "
+        f"{below}/{len(noisy)} noisy cells")
   if args.figures_dir:
     os.makedirs(args.figures_dir, exist_ok=True)
     shutil.copy(figure, os.path.join(args.figures_dir, os.path.basename(figure)))

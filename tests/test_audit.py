@@ -723,6 +723,7 @@ def _launch(args, tmp_path):
                         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_launcher_writes_report_and_figure(tmp_path):
   out = tmp_path / "audit"
   proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
@@ -737,6 +738,7 @@ def test_launcher_writes_report_and_figure(tmp_path):
   assert "audit lower bound" in proc.stdout
 
 
+@pytest.mark.slow
 def test_launcher_audits_adaptive_clipping(tmp_path):
   out = tmp_path / "audit"
   proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
@@ -750,6 +752,7 @@ def test_launcher_audits_adaptive_clipping(tmp_path):
   assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
 
 
+@pytest.mark.slow
 def test_launcher_refuses_adaptive_clipping_without_a_clip(tmp_path):
   proc = _launch(["--dataset=digits", "--target_epsilon=2", "--optimizer=dpnsgd",
                   "--target_unclipped_quantile=0.5"], tmp_path)
@@ -758,6 +761,7 @@ def test_launcher_refuses_adaptive_clipping_without_a_clip(tmp_path):
   assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_launcher_flag_errors_are_one_line(tmp_path):
   proc = _launch(["--dataset=digits", "--noise_multiplier=1", "--target_epsilon=2"], tmp_path)
   assert proc.returncode == 1

@@ -72,7 +72,8 @@ def score_histogram(path: str, scores, included, epsilon_claimed: Optional[float
 
 
 def claimed_vs_lower_bound(path: str, rows: Sequence[dict], title: str = "",
-                           ceiling: Optional[float] = None) -> dict:
+                           ceiling: Optional[float] = None,
+                           ceiling_fdp: Optional[float] = None) -> dict:
   """One panel per method: the audit's lower bound against the claimed epsilon.
 
   The x axis (claimed epsilon) is logarithmic; runs without noise sit at twice the
@@ -84,9 +85,11 @@ def claimed_vs_lower_bound(path: str, rows: Sequence[dict], title: str = "",
   Args:
     path: the PNG.
     rows: dicts with ``method``, ``canary_kind`` (``"gradient"`` or ``"input"``),
-      ``epsilon_claimed`` (None or inf: no noise) and ``epsilon_lower_bound``.
+      ``epsilon_claimed`` (None or inf: no noise) and ``epsilon_lower_bound``
+      (Steinke et al.); rows with ``epsilon_lower_bound_fdp`` also get the f-DP bound
+      (hollow markers, dashed).
     title: the figure title.
-    ceiling: the audit's maximum for the number of canaries used.
+    ceiling, ceiling_fdp: the largest bound of each method for the number of canaries used.
 
   Returns:
     The annotations (the plotted points per panel).
@@ -102,13 +105,16 @@ def claimed_vs_lower_bound(path: str, rows: Sequence[dict], title: str = "",
   top = max(finite) if finite else 1.0
   bottom = min(finite) if finite else 1.0
   inf_x = 2.0 * top
-  top_y = max([float(r["epsilon_lower_bound"]) for r in rows] + [ceiling or 0.0, 1.0])
+  top_y = max([float(r["epsilon_lower_bound"]) for r in rows]
+              + [float(r["epsilon_lower_bound_fdp"]) for r in rows
+                 if r.get("epsilon_lower_bound_fdp") is not None]
+              + [ceiling or 0.0, ceiling_fdp or 0.0, 1.0])
   fig = Figure(figsize=(5.0 * len(methods), 4.2), constrained_layout=True)
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, len(methods), squeeze=False)[0]
   markers = {"gradient": ("o", "tab:red", "white-box (Dirac gradient canaries)"),
              "input": ("s", "tab:blue", "black-box (mislabeled input canaries)")}
-  meta = {"panels": [], "ceiling": ceiling}
+  meta = {"panels": [], "ceiling": ceiling, "ceiling_fdp": ceiling_fdp}
   for ax, method in zip(axes, methods):
     panel = []
     ax.set_xscale("log", base=2)
@@ -128,11 +134,22 @@ def claimed_vs_lower_bound(path: str, rows: Sequence[dict], title: str = "",
                     fontsize=8, color=color)
       panel += [{"canary_kind": kind, "x": x, "epsilon_claimed": epsilon_text(claimed(r)),
                  "y": y} for x, y, r in zip(xs, ys, pts)]
+      with_fdp = [(x, float(r["epsilon_lower_bound_fdp"])) for x, r in zip(xs, pts)
+                  if r.get("epsilon_lower_bound_fdp") is not None]
+      if with_fdp:
+        fx, fy = (np.asarray(v) for v in zip(*sorted(with_fdp)))
+        ax.plot(fx, fy, marker=marker, color=color, ls="--", markerfacecolor="none",
+                label=label.split(" (")[0] + ", f-DP bound")
+        panel += [{"canary_kind": kind, "x": float(x), "y_fdp": float(y)}
+                  for x, y in zip(fx, fy)]
     grid = np.geomspace(bottom / 1.5, inf_x * 1.3, 50)
     ax.plot(grid, grid, ls="--", color="gray", label="lower bound = claimed")
     if ceiling is not None:
       ax.axhline(ceiling, ls=":", color="black", lw=1,
                  label=f"largest possible bound ({ceiling:.2f})")
+    if ceiling_fdp is not None:
+      ax.axhline(ceiling_fdp, ls="-.", color="black", lw=1,
+                 label=f"largest possible f-DP bound ({ceiling_fdp:.2f})")
     ax.axvline(inf_x, color="gray", lw=0.5)
     ax.text(inf_x, 0.98, "no noise ", rotation=90, va="top", ha="right", fontsize=8,
             color="gray", transform=ax.get_xaxis_transform())
@@ -142,7 +159,7 @@ def claimed_vs_lower_bound(path: str, rows: Sequence[dict], title: str = "",
     ax.set_xticks(ticks + [inf_x], labels=[f"{t:g}" for t in ticks] + ["\u221e"])
     ax.minorticks_off()
     ax.set_xlabel("claimed \u03b5 (accountant)")
-    ax.set_ylabel("audited \u03b5 lower bound (95%)")
+    ax.set_ylabel("audited \u03b5 lower bounds (95%)")
     ax.set_title(method)
     ax.legend(fontsize=8, loc="upper left")
     meta["panels"].append({"method": method, "points": panel})
