@@ -152,6 +152,34 @@ def _map(fn, structure):
   return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
 
 
+def _as_tensor(t):
+  """``t`` as a tensor; a ``tf.RaggedTensor`` (e.g. bag-of-words ids) stays ragged."""
+  return t if isinstance(t, tf.RaggedTensor) else tf.convert_to_tensor(t)
+
+
+def _num_rows(t) -> tf.Tensor:
+  """Rows of a tensor or ``tf.RaggedTensor`` (int32 scalar)."""
+  if isinstance(t, tf.RaggedTensor):
+    return t.nrows(out_type=tf.int32)
+  return tf.shape(t)[0]
+
+
+def _dense_rows(t):
+  """A ragged ``t`` as dense rows that are equal iff the ragged rows are: the values padded
+  with zeros, next to a padded mask of where values exist (row lengths at every level)."""
+  present = t.with_flat_values(tf.ones_like(t.flat_values, tf.bool)).to_tensor(False)
+  return t.to_tensor(), present
+
+
+def _row_differs(t, ref):
+  """``[B]`` bool: rows of ``t`` that differ from the one row of ``ref`` (ragged: exact)."""
+  if not isinstance(t, tf.RaggedTensor):
+    return _row_any(tf.not_equal(t, ref))
+  values, present = _dense_rows(tf.concat([t, ref], axis=0))
+  return tf.logical_or(_row_any(tf.not_equal(values[:-1], values[-1:])),
+                       _row_any(tf.not_equal(present[:-1], present[-1:])))
+
+
 def _row_any(t):
   """``[B, ...]`` bool -> ``[B]``: any over the non-batch axes."""
   if t.shape.rank is not None and t.shape.rank <= 1:
@@ -196,20 +224,25 @@ def probe_interaction(forward_losses, x, y, mask=None) -> ProbeReport:
     forward_losses: ``fn(x, y) -> [B]`` per-example losses; must be
       deterministic for equal inputs (freeze random streams, e.g. with
       :func:`model_forward_losses`).
-    x, y: the batch (nested structures of ``[B, ...]`` tensors; ``y`` may be
-      None).
+    x, y: the batch (nested structures of ``[B, ...]`` tensors or
+      ``tf.RaggedTensor``s, whose rows are compared exactly, lengths included,
+      and differentiated through their values; ``y`` may be None).
     mask: optional ``[B]`` bool; False rows are padding.
 
   Returns:
     :class:`ProbeReport`.
+
+  Raises:
+    ValueError: for ``tf.SparseTensor`` leaves (no engine supports them).
   """
   leaves = _leaves((x, y))
   if not leaves:
     raise ValueError("probe_interaction needs at least one input tensor.")
-  leaves = [tf.convert_to_tensor(t) for t in leaves]
-  x = _map(tf.convert_to_tensor, x)
-  y = _map(tf.convert_to_tensor, y)
-  batch = tf.shape(leaves[0])[0]
+  _vectorized.check_no_sparse_inputs((x, y), "DP training")
+  leaves = [_as_tensor(t) for t in leaves]
+  x = _map(_as_tensor, x)
+  y = _map(_as_tensor, y)
+  batch = _num_rows(leaves[0])
   perturbed, observers = _split_rows(batch, mask)
   can_test = tf.logical_and(tf.reduce_any(perturbed), tf.reduce_any(observers))
 
@@ -218,7 +251,7 @@ def probe_interaction(forward_losses, x, y, mask=None) -> ProbeReport:
     differs = tf.zeros([batch], tf.bool)
     for t in _leaves((x, y)):
       ref = tf.gather(t, source[None])
-      differs = tf.logical_or(differs, _row_any(tf.not_equal(t, ref)))
+      differs = tf.logical_or(differs, _row_differs(t, ref))
     changed = tf.reduce_any(tf.logical_and(perturbed, differs))
     return tf.cond(changed, lambda: _probe(forward_losses, x, y, perturbed, observers, source),
                    _untested)
@@ -233,7 +266,9 @@ def _probe(forward_losses, x, y, perturbed, observers, source):
   index = tf.where(perturbed, source, tf.range(batch))
   x_new = _map(lambda t: tf.gather(t, index), x)
   y_new = _map(lambda t: tf.gather(t, index), y)
-  floats = [t for t in _leaves((x, y)) if t.dtype.is_floating]
+  floating = [t for t in _leaves((x, y)) if t.dtype.is_floating]
+  # A ragged leaf is differentiated through its values (the tensor the model reads).
+  floats = [t.flat_values if isinstance(t, tf.RaggedTensor) else t for t in floating]
 
   with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
     for t in floats:
@@ -244,11 +279,13 @@ def _probe(forward_losses, x, y, perturbed, observers, source):
   grads = tape.gradient(target, floats) if floats else []
   leak = tf.constant(0.0)
   own = tf.constant(0.0)
-  for g in grads:
+  for t, g in zip(floating, grads):
     if g is None:
       continue
     g = tf.abs(tf.cast(tf.convert_to_tensor(g), tf.float32))
-    rows = _row_max(tf.where(tf.math.is_finite(g), g, 0.0))
+    g = tf.where(tf.math.is_finite(g), g, 0.0)
+    rows = _row_max(_dense_rows(t.with_flat_values(g))[0] if isinstance(t, tf.RaggedTensor)
+                    else g)
     leak = tf.maximum(leak, tf.reduce_max(tf.where(perturbed, rows, 0.0)))
     own = tf.maximum(own, tf.reduce_max(tf.where(observers, rows, 0.0)))
   gradient_score = leak / (GRADIENT_RTOL * own + _TINY)
@@ -324,9 +361,9 @@ class InteractionGuard:
 
 
 def _mask_of(sample_weight):
-  from tf_dpnsgd import training  # lazy: training imports this module
-  if isinstance(sample_weight, dict) and training.DP_MASK_KEY in sample_weight:
-    return sample_weight[training.DP_MASK_KEY]
+  from tf_dpnsgd import ledger  # lazy: keeps this module's imports as drawn
+  if isinstance(sample_weight, dict) and ledger.DP_MASK_KEY in sample_weight:
+    return sample_weight[ledger.DP_MASK_KEY]
   return None  # anything else is rejected by the train step itself
 
 
@@ -337,7 +374,7 @@ def limit_rows(x, y, mask, size):
   the probe (three forward passes and one input-gradient pass) stays within
   the memory the training step needs, and still sees padding rows.
   """
-  batch = tf.shape(_leaves((x, y))[0])[0]
+  batch = _num_rows(_leaves((x, y))[0])
   valid = tf.ones([batch], tf.bool) if mask is None else tf.reshape(tf.cast(mask, tf.bool), [-1])
   padding = tf.reshape(tf.where(tf.logical_not(valid)), [-1])
   padding = padding[:tf.minimum(tf.size(padding), size // 2)]

@@ -100,8 +100,27 @@ def poisson_max_batch_size(dataset_size: int, sampling_rate: float,
   return max(m, 1)
 
 
+def _num_rows(a) -> int:
+  """Rows of an array, tensor or ``tf.RaggedTensor`` (``np.shape`` cannot see a ragged one)."""
+  if isinstance(a, tf.RaggedTensor):
+    return int(a.nrows())
+  return int(np.shape(a)[0])
+
+
+def _as_tensor(a):
+  """``a`` as a tensor; a ``tf.RaggedTensor`` stays ragged (rows of different lengths)."""
+  return a if isinstance(a, tf.RaggedTensor) else tf.convert_to_tensor(a)
+
+
+def _take_rows(a, idx):
+  """Rows ``idx`` of a NumPy-convertible array, or of a ``tf.RaggedTensor`` (stays ragged)."""
+  if isinstance(a, tf.RaggedTensor):
+    return tf.gather(a, idx)
+  return np.asarray(a)[idx]
+
+
 def _leading_size(structure) -> int:
-  sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(structure)}
+  sizes = {_num_rows(a) for a in tf.nest.flatten(structure)}
   if len(sizes) != 1:
     raise ValueError(
         f"All arrays must have the same number of examples; got sizes {sorted(sizes)}.")
@@ -235,8 +254,8 @@ class Sampler:
     rows = self._padded_rows(num_replicas)
     for step in self._step_range(start_step, num_steps):
       idx, mask = self._replica_padded(step, rows)
-      xb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], x)
-      yb = tf.nest.map_structure(lambda a: np.asarray(a)[idx], y)
+      xb = tf.nest.map_structure(lambda a: _take_rows(a, idx), x)
+      yb = tf.nest.map_structure(lambda a: _take_rows(a, idx), y)
       tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
       if mask is not None:
         # Keras' generator adapter needs rank >= 1; the train step reads element 0.
@@ -267,8 +286,8 @@ class Sampler:
     self._check_data(x, y)
     first_step = start_step if callable(start_step) else (lambda: start_step)
     self._step_range(first_step(), num_steps)  # validates now rather than inside tf.data
-    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
-    y_t = tf.nest.map_structure(tf.convert_to_tensor, y)
+    x_t = tf.nest.map_structure(_as_tensor, x)
+    y_t = tf.nest.map_structure(_as_tensor, y)
     rows = self._padded_rows(num_replicas)
 
     def index_stream():

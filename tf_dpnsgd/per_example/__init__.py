@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 
+import tensorflow as tf
+
 from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import microbatch
 from tf_dpnsgd.per_example import registry
@@ -97,6 +99,31 @@ def _vectorized_unless_onednn_breaks_it(model, loss_fn, x, y, transform, mask=No
                            num_microbatches=num_microbatches)
 
 
+def has_ragged_inputs(x) -> bool:
+  """Whether a leaf of ``x`` is a ``tf.RaggedTensor`` (e.g. bag-of-words ids); static."""
+  return any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten(x))
+
+
+def _microbatch_for_ragged_inputs(engine):
+  """``"auto"``'s engine: ``engine``, or the microbatch engine for ragged inputs.
+
+  Only the microbatch engine is exact on ragged inputs (it runs one example
+  at a time); the layer-wise and vectorized engines refuse them. Decided per
+  traced batch (a Python check of the input types, nothing runs).
+  """
+  def auto_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None):
+    if has_ragged_inputs(x):
+      _log.warning("per_example='auto' uses the microbatch engine (slowest, exact) for model "
+                   "'%s': its inputs are ragged, which only that engine handles. Pad the ids "
+                   "to a dense tensor (Embedding(..., mask_zero=True)) for a faster engine.",
+                   model.name)
+      return microbatch_engine(model, loss_fn, x, y, transform, mask=mask,
+                               num_microbatches=num_microbatches)
+    return engine(model, loss_fn, x, y, transform, mask=mask,
+                  num_microbatches=num_microbatches)
+  return auto_engine
+
+
 def check_vectorized(model) -> None:
   """Raises if ``per_example="vectorized"`` is known to break on ``model`` under oneDNN.
 
@@ -119,6 +146,9 @@ def check_vectorized(model) -> None:
 def resolve_engine(model, name: str):
   """Returns the engine function for ``model``; ``"auto"`` logs its choice once.
 
+  ``"auto"`` runs the microbatch engine on ragged inputs (the only exact one
+  for them; :func:`_microbatch_for_ragged_inputs`).
+
   Raises:
     UnsupportedLayerError: for ``"layerwise"`` when some trainable variable
       has no layer-wise rule (the message names the layers); for
@@ -136,7 +166,7 @@ def resolve_engine(model, name: str):
   if chosen == "layerwise":
     _log.info("per_example='auto' chose the layer-wise engine for model '%s': %s.",
               model.name, why)
-    return ENGINES[chosen]
+    return _microbatch_for_ragged_inputs(ENGINES[chosen])
   if chosen == "microbatch":
     _log.warning("per_example='auto' chose the microbatch engine (slowest) for model '%s' "
                  "because there is %s. Register layer-wise rules for the other layers, or set "
@@ -147,8 +177,8 @@ def resolve_engine(model, name: str):
                "more memory) because there is %s. Register a layer-wise rule to use the "
                "fast path, or pass per_example='vectorized' to silence this.", model.name, why)
   if vectorized.onednn_enabled():  # decided per traced graph
-    return _vectorized_unless_onednn_breaks_it
-  return ENGINES[chosen]
+    return _microbatch_for_ragged_inputs(_vectorized_unless_onednn_breaks_it)
+  return _microbatch_for_ragged_inputs(ENGINES[chosen])
 
 
 __all__ = ["DEFAULT_REGISTRY", "EngineOutput", "ENGINES", "ENGINE_NAMES", "LayerRule",

@@ -86,7 +86,7 @@ from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import layers as _builtin_rules  # noqa: F401  (registers rules)
 from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
-                                              check_microbatches)
+                                              check_microbatches, check_no_sparse_inputs)
 
 _log = logging.getLogger(__name__)
 
@@ -341,6 +341,7 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
       registered layer used in a way its rule cannot represent.
   """
   cov = check_coverage(model, registry)
+  check_no_sparse_inputs(x, "per_example='layerwise'")
   check_mask_and_microbatches(mask, num_microbatches)
   batch = batch_size_of(x)
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):

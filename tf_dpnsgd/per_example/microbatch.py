@@ -15,7 +15,7 @@ import tensorflow as tf
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example.base import EngineOutput, output_spec
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
-                                              check_microbatches)
+                                              check_microbatches, check_no_sparse_inputs)
 
 
 def _slice(x, start, size):
@@ -34,7 +34,11 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
 
   Returns:
     :class:`EngineOutput`.
+
+  Raises:
+    ValueError: for ``tf.SparseTensor`` inputs (``tf.RaggedTensor`` ones are exact here).
   """
+  check_no_sparse_inputs(x, "per_example='microbatch'")
   if variables is None:
     variables = model.trainable_variables
   check_mask_and_microbatches(mask, num_microbatches)

@@ -56,6 +56,21 @@ RAGGED_ADVICE = ("Use per_example='microbatch' (which runs one example at a time
                  "(e.g. GlobalAveragePooling1D), which every engine handles.")
 
 
+SPARSE_ADVICE = ("Convert them to dense rows in the input pipeline (tf.sparse.to_dense; every "
+                 "engine handles those), or give ids as a tf.RaggedTensor (per_example="
+                 "'microbatch' or 'auto').")
+
+
+def check_no_sparse_inputs(x, where: str) -> None:
+  """Raises for ``tf.SparseTensor`` leaves of ``x``: no engine slices them per example.
+
+  Raises:
+    ValueError: naming ``where`` and what to do instead.
+  """
+  if any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten(x)):
+    raise ValueError(f"{where} does not support tf.SparseTensor inputs. {SPARSE_ADVICE}")
+
+
 def check_dense_inputs(x, engine: str) -> None:
   """Raises for ``tf.RaggedTensor`` / ``tf.SparseTensor`` leaves of ``x`` (bag-of-words ids).
 
