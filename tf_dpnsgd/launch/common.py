@@ -1,6 +1,6 @@
 """Shared machinery of the absl launchers: flags, one run of an experiment, its records.
 
-This module is long (about 600 lines): the shared flags with their validators, the
+This module is long (about 740 lines): the shared flags with their validators, the
 config they build and the one training loop all launchers run are kept together, so a
 flag, its check and its use can be read in one place.
 
