@@ -252,8 +252,6 @@ def test_flag_notes_name_each_bit_and_never_drop_unknown_ones():
 def test_ledger_flags_reach_the_report():
   dp = compile_dp(tf_dpnsgd.make_private(mlp()))
   ledger = tf_dpnsgd.ledger_of(dp)
-  if not hasattr(ledger, "add_flags"):
-    pytest.xfail("ledger.add_flags is the lead's part")
   ledger.add_flags(coverage.UNVERIFIED_BATCHES | coverage.TRAINING_METRIC_CALLBACKS)
   plan = PrivacyPlan(dataset_size=N, batch_size=16, sampling="poisson", steps=4,
                      noise_multiplier=1.0, delta=1e-5, seed=3)

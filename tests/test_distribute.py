@@ -105,6 +105,7 @@ def test_padding_to_replicas_keeps_the_batch_and_masks_the_rest():
     one = list(sampler.numpy_batches(x, y, num_steps=3))
     for replicas in (2, 3, 8):
       many = list(sampler.numpy_batches(x, y, num_steps=3, num_replicas=replicas))
+      assert len(one) == len(many) == 3  # the zip below compares every step
       for (x1, _, t1), (xr, _, tr) in zip(one, many):
         assert len(xr) % replicas == 0 and len(xr) - len(x1) < replicas
         m1 = t1.get(ledger.DP_MASK_KEY, np.ones(len(x1), bool))

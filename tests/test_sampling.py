@@ -188,6 +188,7 @@ def test_dataset_resumes_the_same_stream_and_matches_numpy_batches(cls):
   full = list(s.dataset(x, y, num_steps=12).as_numpy_iterator())
   tail = list(s.dataset(x, y, start_step=7, num_steps=5).as_numpy_iterator())
   as_numpy = list(s.numpy_batches(x, y, start_step=7, num_steps=5))
+  assert (len(full), len(tail), len(as_numpy)) == (12, 5, 5)  # zip below must not be empty
   for a, b, c in zip(full[7:], tail, as_numpy):
     tf.nest.map_structure(np.testing.assert_array_equal, a, b)
     tf.nest.map_structure(np.testing.assert_array_equal, a, tf.nest.map_structure(np.asarray, c))

@@ -89,6 +89,17 @@ def test_invalid_arguments_raise(make):
 
 
 def test_make_schedule_by_name():
-  assert isinstance(schedules.make_schedule("step", 0.1, 10), schedules.StepSchedule)
-  assert isinstance(schedules.make_schedule("cyclic", 0.1, 10), schedules.CyclicSchedule)
-  assert isinstance(schedules.make_schedule("constant", 0.1, 10), schedules.ConstantSchedule)
+  """Each name builds its schedule with the base rate and the length given (values at the
+  milestones, not only the type)."""
+  steps = [0, 4, 5, 7, 8, 9]
+  step = schedules.make_schedule("step", 0.1, 10)  # x0.1 from step 5, x0.01 from step 7.5
+  assert isinstance(step, schedules.StepSchedule)
+  np.testing.assert_allclose(values(step, steps), [0.1, 0.1, 0.01, 0.01, 0.001, 0.001],
+                             rtol=1e-6)
+  cyclic = schedules.make_schedule("cyclic", 0.1, 10)  # 0.02 -> 1.0 at mid-run -> 0.02
+  assert isinstance(cyclic, schedules.CyclicSchedule)
+  np.testing.assert_allclose(values(cyclic, [0, 5, 10]), [0.1 * 0.02, 0.1, 0.1 * 0.02],
+                             rtol=1e-5)
+  constant = schedules.make_schedule("constant", 0.1, 10)
+  assert isinstance(constant, schedules.ConstantSchedule)
+  np.testing.assert_allclose(values(constant, steps), [0.1] * len(steps), rtol=1e-6)
