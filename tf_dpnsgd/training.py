@@ -42,6 +42,7 @@ from tf_dpnsgd import plan as plan_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.optimizers import PrivateOptimizer
 from tf_dpnsgd import per_example as per_example_lib
+from tf_dpnsgd import step as step_lib
 from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
 
 
@@ -139,24 +140,6 @@ def _ledger_for(model) -> ledger_lib.PrivacyLedger:
         "machine; its privacy ledger is restored, so the report counts those steps.",
         model.name, ledger.steps)
   return ledger
-
-
-def chunk_rows(i, size, batch):
-  """Row indices (``[size]``) of physical chunk ``i``, and which of them are real rows.
-
-  Every chunk has exactly ``size`` rows, a static shape: indices past the end of
-  the batch repeat its last row and are marked False (the engine masks them, so
-  they contribute exactly zero). A short last slice ``x[i * size:batch]`` has a
-  data-dependent shape, which XLA (``jit_compile=True``) compiles as a
-  ``size``-row slice whose START is clamped back into range: it would count
-  some examples twice, each then contributing twice the sensitivity.
-  """
-  rows = i * size + tf.range(size)
-  return tf.minimum(rows, batch - 1), rows < batch
-
-
-def gather_rows(x, rows):
-  return tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
 
 
 class LastValue(keras.metrics.Metric):
@@ -460,64 +443,9 @@ class _DPTrainer:
                                          data_batch=data_batch)
 
   def _contributions(self, x, y, mask, num_microbatches, transform=None):
-    """Phase 2: the engine, possibly over physical chunks of the logical batch."""
-    engine = self._dp_engine
+    """Phase 1 of the step (:func:`tf_dpnsgd.step.contributions`)."""
     transform = self.optimizer.transform if transform is None else transform
-    size = self._dp_physical_batch_size
-    if size is None:
-      return loss_scale_lib.scaled_contributions(engine, self, self._dp_loss_fn, x, y,
-                                                 transform, self.loss_scale, mask=mask,
-                                                 num_microbatches=num_microbatches)
-    if num_microbatches:
-      raise ValueError("physical_batch_size cannot be combined with num_microbatches; "
-                       "the microbatch is already the unit of computation.")
-    return self._chunked_contributions(engine, transform, x, y, mask, size)
-
-  def _chunked_contributions(self, engine, transform, x, y, mask, size):
-    batch = per_example_lib.vectorized.batch_size_of(x)
-    num_chunks = (batch + size - 1) // size
-    variables = self.trainable_variables
-    y_spec = per_example_lib.base.output_spec(self, x)
-    pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
-
-    def new_ta(dtype):
-      return tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
-
-    def body(i, acc, ta_losses, ta_norms, ta_factors, ta_preds):
-      rows, real = chunk_rows(i, size, batch)  # fixed-size chunks (see chunk_rows)
-      m = real if mask is None else tf.logical_and(real, tf.gather(mask, rows))
-      out = loss_scale_lib.scaled_contributions(
-          engine, self, self._dp_loss_fn, gather_rows(x, rows), gather_rows(y, rows),
-          transform, self.loss_scale, mask=m, num_microbatches=None)
-      acc = [a + tf.cast(s, a.dtype) for a, s in zip(acc, out.summed)]
-      preds = [ta.write(i, p) for ta, p in zip(ta_preds, tf.nest.flatten(out.y_pred))]
-      return (i + 1, acc, ta_losses.write(i, out.losses), ta_norms.write(i, out.norms),
-              ta_factors.write(i, out.factors), preds)
-
-    init = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
-            new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
-            [new_ta(d) for d in pred_dtypes])
-    _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
-        lambda i, *_: i < num_chunks, body, init, parallel_iterations=1)
-
-    def concat(ta, shape=(None,)):
-      t = ta.concat()[:batch]  # drop the repeated rows of the last chunk
-      t.set_shape(shape)
-      return t
-
-    y_pred = tf.nest.pack_sequence_as(
-        y_spec, [concat(ta, s.shape) for ta, s in zip(ta_p, tf.nest.flatten(y_spec))])
-    return per_example_lib.EngineOutput(summed=acc, norms=concat(ta_n), factors=concat(ta_f),
-                                        losses=concat(ta_l), y_pred=y_pred)
-
-  def _public_gradients(self, variables):
-    """Gradients of data-independent weight regularizers (added after the noise)."""
-    regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
-    if not regularized:
-      return None, 0.0
-    with tf.GradientTape() as tape:
-      reg = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
-    return tape.gradient(reg, variables), reg
+    return step_lib.contributions(self, x, y, mask, num_microbatches, transform)
 
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -537,45 +465,15 @@ class _DPTrainer:
         lambda v: tf.reshape(v, [1]) if tf.is_tensor(v) and v.shape.rank == 0 else v, logs)
 
   def _private_step(self, x, y, mask, denominator, tags):
+    """Phases 1-4 (:func:`tf_dpnsgd.step.dp_step`), then Keras' logs and metrics."""
     num_microbatches = self._microbatches()
-    local = denominator is None
-    if local:
-      batch = per_example_lib.vectorized.batch_size_of(x)
-      denominator = tf.cast(num_microbatches or batch, tf.float32)
-    # The optimizer's checks of this step (adaptive clipping: the count noise fits the
-    # budget) guard every op of the step, like the ledger's checks in train_step.
-    with tf.control_dependencies(self.optimizer.step_checks(denominator, local)):
-      return self._checked_private_step(x, y, mask, denominator, local, tags,
-                                        num_microbatches)
-
-  def _checked_private_step(self, x, y, mask, denominator, local, tags, num_microbatches):
-    optimizer = self.optimizer
-    variables = self.trainable_variables
-    ledger = self.privacy_ledger
-    x = tf.nest.map_structure(tf.identity, x)
-    step = tf.identity(ledger.noise_stream())  # [lineage, generation, step] keys the noise
-    # The transform of THIS step, read once: under adaptive clipping Clip(C_t), which
-    # clips, counts the unclipped units and sets this step's noise; C_{t+1} is written
-    # only after the noise is drawn.
-    transform = optimizer.transform
-    out = self._contributions(x, y, mask, num_microbatches, transform)
-    count = None
-    if optimizer.adaptive_clip is not None:
-      count = transforms.centered_unclipped_count(out.norms, transform.l2_norm_clip, mask)
-    public_grads, reg_loss = self._public_gradients(variables)
-    optimizer.apply_private_gradients(out.summed, denominator, variables, public_grads,
-                                      local_denominator=local, step=step, transform=transform,
-                                      centered_unclipped_count=count)
-    # The effective noise multiplier (adaptive clipping: of the gradient and count queries
-    # together, see tf_dpnsgd.accounting.adaptive): what the plan accounts.
-    ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
-
+    out, reg_loss = step_lib.dp_step(self, x, y, mask, denominator, tags, num_microbatches)
     self._update_dp_trackers(out, mask, reg_loss, num_microbatches)
     y_pred = out.y_pred
     if mask is not None:
       # Keras' compiled `metrics` ignore sample weights: drop the padded rows instead.
-      x, y, y_pred = tf.nest.map_structure(lambda t: gather_rows(t, tf.where(mask)[:, 0]),
-                                           (x, y, y_pred))
+      x, y, y_pred = tf.nest.map_structure(
+          lambda t: step_lib.gather_rows(t, tf.where(mask)[:, 0]), (x, y, y_pred))
     return self.compute_metrics(x, y, y_pred, sample_weight=None)
 
   def _update_dp_trackers(self, out, mask, reg_loss, num_microbatches):
