@@ -83,6 +83,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.per_example import vectorized as _vectorized
 
 VALUE_RTOL = 1e-5
@@ -361,9 +362,8 @@ class InteractionGuard:
 
 
 def _mask_of(sample_weight):
-  from tf_dpnsgd import ledger  # lazy: keeps this module's imports as drawn
-  if isinstance(sample_weight, dict) and ledger.DP_MASK_KEY in sample_weight:
-    return sample_weight[ledger.DP_MASK_KEY]
+  if isinstance(sample_weight, dict) and ledger_lib.DP_MASK_KEY in sample_weight:
+    return sample_weight[ledger_lib.DP_MASK_KEY]
   return None  # anything else is rejected by the train step itself
 
 
