@@ -16,8 +16,9 @@ run. Each runnable block is executed in-process in a fresh namespace after
 in [0, 4)) and ``keras_model`` (an uncompiled ``Dense(16, relu) -> Dense(4)``
 Keras model). The README's first code block must be runnable.
 
-The shell commands are checked too: the README's test command is the one
-``.ci/run`` runs, and every ``bash <file>`` it shows exists.
+The shell commands are checked too: the README's full test command is the one
+``.ci/run`` runs, its only other pytest command is the quick tier (the same
+command with ``-m "not slow"``), and every ``bash <file>`` it shows exists.
 """
 
 from __future__ import annotations
@@ -96,13 +97,25 @@ def _commands(text: str):
   return out
 
 
-def test_readme_test_command_is_ci_command():
+QUICK = ["-m", "not slow"]
+
+
+def test_readme_test_commands_are_ci_command_and_its_quick_tier():
   ci = [c for c in _commands((ROOT / ".ci" / "run").read_text()) if " pytest " in f" {c} "]
   readme = [c for _, info, _, code in BLOCKS if info in ("bash", "sh", "shell")
             for c in _commands(code) if " pytest " in f" {c} "]
-  assert ci, ".ci/run runs no pytest command"
-  assert readme, "README.md shows no pytest command"
-  assert set(readme) == set(ci), (readme, ci)
+  assert len(ci) == 1, f".ci/run should run one pytest command; got {ci}"
+  full = shlex.split(ci[0])
+  assert ci[0] in readme, f"README.md does not show .ci/run's test command {ci[0]!r}"
+  assert "-m" not in full[full.index("pytest"):], (
+      "the CI command must run every test, the slow ones included")
+  quick = [c for c in readme if c != ci[0]]
+  assert len(quick) == 1, f"README.md should show one quick command besides CI's; got {quick}"
+  words = shlex.split(quick[0])
+  after = words[words.index("pytest"):] if "pytest" in words else []
+  i = len(words) - len(after) + after.index("-m") if "-m" in after else -1
+  assert i > 0 and words[i:i + 2] == QUICK and words[:i] + words[i + 2:] == full, (
+      f"the quick command {quick[0]!r} must be {ci[0]!r} with -m \"not slow\"")
 
 
 def test_readme_scripts_exist():
