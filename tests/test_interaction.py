@@ -222,7 +222,7 @@ def test_probe_scores_and_untestable_batches():
   assert not bool(interaction.probe_interaction(bad, x[:0], y[:0]).tested)
 
 
-def test_probe_catches_gradient_only_mixing_and_ignores_unseeded_noise():
+def test_probe_catches_gradient_only_mixing_and_freezes_unseeded_noise():
   x, y = data(8)
 
   def sneaky(y_true, y_pred):  # values per example, gradients mixed across the batch
@@ -238,9 +238,18 @@ def test_probe_catches_gradient_only_mixing_and_ignores_unseeded_noise():
   inp = keras.Input((5,))
   noisy = keras.layers.Lambda(lambda t: t + tf.random.normal(tf.shape(t)))(inp)  # unseeded
   m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(noisy))
+  report = interaction.probe_interaction(_forward(m), x, y)  # the TF random op is frozen
+  assert bool(report.tested) and bool(report.reproducible)
+  assert not bool(report.interacting) and not bool(report.refused)
+  # Randomness fixed when the pass is traced (numpy) cannot be frozen: the value check
+  # cannot run, so the batch is refused (fail closed) although nothing interacts.
+  inp = keras.Input((5,))
+  drawn = keras.layers.Lambda(
+      lambda t: t + np.random.normal(size=(5,)).astype("float32"))(inp)
+  m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(drawn))
   report = interaction.probe_interaction(_forward(m), x, y)
   assert bool(report.tested) and not bool(report.reproducible)
-  assert not bool(report.interacting)
+  assert not bool(report.interacting) and bool(report.refused)
 
 
 def test_probe_leaves_random_streams_unchanged():

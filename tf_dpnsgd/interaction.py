@@ -13,7 +13,9 @@ by more than ``2S``, and Poisson padding rows (mask False, factor 0) still
 change the valid rows' gradients. This module finds interaction by behaviour.
 
 The probe (:func:`probe_interaction`), on one real batch (per replica under
-``tf.distribute``), in training mode with every Keras random stream frozen:
+``tf.distribute``), in training mode with every random op frozen (Keras seed
+generators and TensorFlow's own random ops:
+:func:`tf_dpnsgd.forward_checks.frozen_forward_losses`):
 
 1. rows are split into *perturbed* rows ``P`` (all padding rows and the first
    half of the valid rows) and *observer* rows ``O`` (the other valid rows);
@@ -25,9 +27,11 @@ The probe (:func:`probe_interaction`), on one real batch (per replica under
    ``VALUE_RTOL``). Replacing half the batch, not one row, makes the change of
    a batch statistic O(1) instead of O(1/B), so large batches are caught too.
    A repeated unperturbed pass measures non-reproducibility: if the repeat
-   itself differs (an unseeded random op, a non-deterministic kernel), the
-   value check is not used and only the gradient check decides (no false
-   positives from randomness);
+   itself differs (randomness the freezing cannot reach, a non-deterministic
+   kernel), the value check cannot run and the batch is refused
+   (:attr:`ProbeReport.refused`, fail closed): the gradient check alone misses
+   interaction behind ``stop_gradient`` (a REINFORCE loss with a batch-mean
+   baseline);
 3. **gradient check** (floating inputs and targets): the gradient of the sum
    of the observers' losses with respect to the rows of ``P`` must be exactly
    0 (non-finite entries ignored; tolerance ``GRADIENT_RTOL`` times the
@@ -38,9 +42,7 @@ The probe (:func:`probe_interaction`), on one real batch (per replica under
 What is not detected: interaction the batch does not exercise (the probe sees
 one batch; e.g. a batch max attained in an observer row); mixing across
 replicas inside the forward pass (each replica probes its own shard);
-integer-input models whose training-mode forward pass is not reproducible
-(only the gradient check runs, and integer inputs have no gradient); models
-that change behaviour after the first step. Within ``num_microbatches``
+models that change behaviour after the first step. Within ``num_microbatches``
 units, interaction inside a microbatch would be harmless but is refused too,
 like BatchNormalization. Batches with fewer than 2 rows (or only identical
 rows) cannot be probed; the probe then stays pending for the next batch.
@@ -83,6 +85,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import forward_checks
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.per_example import vectorized as _vectorized
 
@@ -113,7 +116,11 @@ def interaction_message(model_name: str = "the model") -> str:
       "LayerNormalization; means, sums, max or attention over the batch axis) by per-example "
       "ones, and use a loss whose value for example i depends only on example i's prediction "
       "and label: in-batch contrastive losses (softmax over the batch's similarity matrix, "
-      "in-batch negatives) are not compatible with per-example DP.")
+      "in-batch negatives, a batch-mean baseline even behind stop_gradient) are not "
+      "compatible with per-example DP. (The same refusal when the training forward pass is "
+      "not reproducible with every random op frozen, so the check could not run: draw "
+      "randomness with keras.layers.Dropout or keras.random ops seeded by a "
+      "keras.random.SeedGenerator attached to the layer.)")
 
 
 @dataclasses.dataclass
@@ -127,7 +134,8 @@ class ProbeReport:
       difference)``; 0 when untested or when the forward pass is not
       reproducible.
     gradient_score: ``leak / (GRADIENT_RTOL * own gradient)``.
-    reproducible: the repeated unperturbed pass matched within tolerance.
+    reproducible: the repeated unperturbed pass matched within tolerance
+      (else the value check could not run).
   """
 
   tested: tf.Tensor
@@ -143,6 +151,12 @@ class ProbeReport:
   @property
   def interacting(self) -> tf.Tensor:
     return tf.logical_and(self.tested, self.score > 1.0)
+
+  @property
+  def refused(self) -> tf.Tensor:
+    """Tested, and the examples interact or the value check could not run (fail closed)."""
+    return tf.logical_and(self.tested, tf.logical_or(self.score > 1.0,
+                                                     tf.logical_not(self.reproducible)))
 
 
 def _leaves(structure):
@@ -318,27 +332,23 @@ def interaction_deviation(forward_losses, x, y, mask=None) -> tf.Tensor:
 
 
 def model_forward_losses(model, loss_fn, training=True):
-  """``fn(x, y) -> [B]``: ``loss_fn(y, model(x, training))`` with the random streams frozen.
+  """``fn(x, y) -> [B]``: ``loss_fn(y, model(x, training))`` with every random op frozen.
 
-  Every call runs in a fresh ``keras.StatelessScope`` mapping each of the
-  model's seed generators to its current state, so repeated calls draw the
-  same dropout masks (row ``i``'s mask depends only on the seed and the
-  batch shape) and no model state (seeds, or any variable a layer would
-  assign) changes.
+  :func:`tf_dpnsgd.forward_checks.frozen_forward_losses`: repeated calls draw
+  the same random values (Keras seed generators and TensorFlow random ops; row
+  ``i``'s dropout mask depends only on the seeds and the batch shape), no seed
+  advances, and a pass that writes any other variable raises
+  :class:`~tf_dpnsgd.forward_checks.StateWriteError` while tracing.
   """
-  generators = _vectorized.seed_generators(model)
-
-  def forward(x, y):
-    mapping = [(g.state, g.state.value) for g in generators]
-    with keras.StatelessScope(state_mapping=mapping):
-      y_pred = model(x, training=training)
-      return loss_fn(y, y_pred)
-
-  return forward
+  return forward_checks.frozen_forward_losses(model, loss_fn, training)
 
 
 def assert_no_interaction(model, x, y, mask=None, loss_fn=None) -> None:
   """Eager check of one batch; raises :class:`ExampleInteractionError` if examples interact.
+
+  Raises :class:`~tf_dpnsgd.forward_checks.ForwardNotReproducibleError` when the
+  forward pass is not reproducible with every random op frozen (the check
+  cannot run).
 
   Args:
     model: a Keras model (called with ``training=True``).
@@ -351,6 +361,9 @@ def assert_no_interaction(model, x, y, mask=None, loss_fn=None) -> None:
   report = probe_interaction(model_forward_losses(model, loss_fn), x, y, mask)
   if bool(report.interacting):
     raise ExampleInteractionError(interaction_message(f"model '{model.name}'"))
+  if bool(report.refused):
+    raise forward_checks.ForwardNotReproducibleError(
+        forward_checks.not_reproducible_message(model.name))
 
 
 # --- integration with the DP train step ------------------------------------------------
@@ -386,7 +399,11 @@ def limit_rows(x, y, mask, size):
 
 
 def make_probe_function(model):
-  """``fn(data) -> (tested, interacting)``, per replica, compiled unless ``run_eagerly``."""
+  """``fn(data) -> (tested, refused)``, per replica, compiled unless ``run_eagerly``.
+
+  ``refused`` (:attr:`ProbeReport.refused`): the examples interact, or the
+  value check could not run (forward pass not reproducible).
+  """
   strategy = model.distribute_strategy
   limit = getattr(model, "physical_batch_size", None)
 
@@ -398,11 +415,11 @@ def make_probe_function(model):
     report = probe_interaction(model_forward_losses(model, model._dp_loss_fn), x, y, mask)
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
-      return report.tested, report.interacting
+      return report.tested, report.refused
     # One verdict for all replicas and workers: a worker that alone kept probing (or
     # raised) would run other collectives than the rest and stall or corrupt the job.
     counts = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
-        tf.stack([report.tested, report.interacting]), tf.float32))  # float: device memory
+        tf.stack([report.tested, report.refused]), tf.float32))  # float: device memory
     return counts[0] > 0, counts[1] > 0
 
   def probe(data):

@@ -76,6 +76,7 @@ in eager mode).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -83,6 +84,7 @@ import tensorflow as tf
 
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
+from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example import layers as _builtin_rules  # noqa: F401  (registers rules)
 from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
@@ -262,22 +264,54 @@ def check_variable_uses(capture: CallCapture, plans) -> None:
             "per_example='vectorized', or register a rule for the layer that uses it.")
 
 
+_STATIC_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def static_batch_checks_only():
+  """Inside, the batch-axis checks never become in-graph assertions: undecided ones raise.
+
+  Used by :func:`tf_dpnsgd.forward_checks.verify_step_structure`, which traces
+  the engine on the host with the batch's static shapes: XLA
+  (``jit_compile=True``) removes in-graph assertions, so a check that cannot
+  be decided while tracing is refused (fail closed). Thread local.
+  """
+  previous = getattr(_STATIC_ONLY, "on", False)
+  _STATIC_ONLY.on = True
+  try:
+    yield
+  finally:
+    _STATIC_ONLY.on = previous
+
+
 def _batch_checks(calls, batch):
-  """Static or in-graph checks that every probe has the batch on axis 0."""
+  """Static or in-graph checks that every probe has the batch on axis 0.
+
+  Decided in Python when the probe's first axis and the batch size are both
+  static (a mismatch raises while tracing); otherwise an in-graph assertion,
+  or, inside :func:`static_batch_checks_only`, an error.
+  """
   static_batch = tf.get_static_value(batch)
+  static_only = getattr(_STATIC_ONLY, "on", False)
   checks = []
   for c in calls:
     for p in c.probes:
       lead = p.shape[0] if len(p.shape) else None
       message = (f"Layer '{c.layer.name}' ({type(c.layer).__name__}) was called on a tensor "
-                 "whose first axis is not the batch (e.g. inside TimeDistributed, which folds "
-                 "time into the batch): the layer-wise engine needs one row per example. Use "
-                 "per_example='vectorized'.")
+                 "whose first axis is not the batch (e.g. inside TimeDistributed, or after a "
+                 "reshape that folds tokens or time into the batch axis): the layer-wise "
+                 "engine needs one row per example, else each row would be clipped as an "
+                 "example of its own. Use per_example='vectorized' (or keep the batch axis).")
       if lead is not None and static_batch is not None:
         if lead != static_batch:
           raise registry_lib.UnsupportedLayerError(message + f" Got {lead} rows for batch "
                                                    f"{static_batch}.")
         continue
+      if static_only:
+        raise registry_lib.UnsupportedLayerError(
+            message + f" Its first axis ({lead}) could not be compared with the batch size "
+            f"({static_batch}) while tracing with the batch's static shapes (a data-dependent "
+            "shape), so it cannot be verified outside the compiled step.")
       checks.append(tf.debugging.assert_equal(tf.shape(p)[0], tf.cast(batch, tf.int32),
                                               message=message))
   return checks
@@ -343,21 +377,24 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
   cov = check_coverage(model, registry)
   check_no_sparse_inputs(x, "per_example='layerwise'")
   check_mask_and_microbatches(mask, num_microbatches)
-  batch = batch_size_of(x)
+  batch = static_batch = batch_size_of(x)  # static_batch: known when the shapes are
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
     batch = tf.identity(batch)
 
   with tf.GradientTape(watch_accessed_variables=False) as tape:
-    with CallCapture(cov.plans, tape) as capture:
-      y_pred = model(x, training=True)
+    with stateless.NoStateWrites(model):  # only the seed generators may advance
+      with CallCapture(cov.plans, tape) as capture:
+        y_pred = model(x, training=True)
+      losses = loss_fn(y, y_pred)
     check_variable_uses(capture, cov.plans)
-    losses = loss_fn(y, y_pred)
     total = tf.reduce_sum(tf.cast(losses, tf.float32))
     if num_microbatches:  # unit loss = mean over its B/m examples
       total = total * (num_microbatches / tf.cast(batch, tf.float32))
   probes = [p for c in capture.calls for p in c.probes]
   grads = tape.gradient(total, probes, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  checks = _batch_checks(capture.calls, batch)
+  # Decided while tracing whenever the shapes are static (the guard traces every new batch
+  # shape on the host, tf_dpnsgd.guard.make_structure_check): XLA cannot drop a Python error.
+  checks = _batch_checks(capture.calls, static_batch)
   with tf.control_dependencies(checks):  # before anything combines rows of different probes
     grads = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example.base import EngineOutput, output_spec
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
                                               check_microbatches, check_no_sparse_inputs)
@@ -56,8 +57,9 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
   def body(u, acc, ta_losses, ta_norms, ta_factors, ta_preds):
     x_u, y_u = _slice(x, u * size, size), _slice(y, u * size, size)
     with tf.GradientTape() as tape:
-      y_pred = model(x_u, training=True)
-      losses = loss_fn(y_u, y_pred)
+      with stateless.NoStateWrites(model):  # only the seed generators may advance
+        y_pred = model(x_u, training=True)
+        losses = loss_fn(y_u, y_pred)
       loss = tf.reduce_mean(tf.cast(losses, tf.float32))
     grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = [tf.convert_to_tensor(g)[None] for g in grads]  # IndexedSlices -> dense, [1, ...]

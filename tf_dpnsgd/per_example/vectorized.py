@@ -37,7 +37,9 @@ from keras import ops
 
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import registry as registry_lib
+from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
+from tf_dpnsgd.per_example.stateless import seed_generators  # noqa: F401  (public here too)
 
 try:  # TensorFlow's own answer to "are oneDNN kernels used in this process?"
   from tensorflow.python.util import _pywrap_util_port
@@ -46,8 +48,16 @@ except ImportError:  # pragma: no cover (other TensorFlow builds)
 
 
 def batch_size_of(x) -> tf.Tensor:
-  """Dynamic leading dimension of the first tensor in ``x``."""
-  return tf.shape(tf.nest.flatten(x)[0])[0]
+  """Leading dimension of the first tensor in ``x``: a constant when static, else dynamic.
+
+  A constant lets the engines decide their structural checks while tracing
+  (``tf.get_static_value`` does not see through ``tf.shape(x)[0]``).
+  """
+  t = tf.nest.flatten(x)[0]
+  shape = tf.TensorShape(getattr(t, "shape", None))
+  if shape.rank and shape[0] is not None:
+    return tf.constant(shape[0], tf.int32)
+  return tf.shape(t)[0]
 
 
 RAGGED_ADVICE = ("Use per_example='microbatch' (which runs one example at a time and handles "
@@ -107,13 +117,23 @@ def from_units(x, num_microbatches):
 
 
 def check_microbatches(batch_size: tf.Tensor, num_microbatches):
-  """Raises (in graph) unless ``num_microbatches`` divides the batch size."""
+  """Raises unless ``num_microbatches`` divides the batch size.
+
+  Decided in Python (``ValueError`` while tracing) when the batch size is
+  static, e.g. when :func:`tf_dpnsgd.forward_checks.verify_step_structure`
+  traces the step with the batch's shapes; else an in-graph assertion
+  (returned, for control dependencies), which XLA would remove.
+  """
   if not num_microbatches:
     return []
-  return [tf.debugging.assert_equal(
-      batch_size % num_microbatches, 0,
-      message=f"num_microbatches={num_microbatches} must divide the batch size "
-              "(use drop_remainder batches, or a batch size that is a multiple).")]
+  message = (f"num_microbatches={num_microbatches} must divide the batch size "
+             "(use drop_remainder batches, or a batch size that is a multiple).")
+  static = tf.get_static_value(batch_size)
+  if static is not None:
+    if int(static) % num_microbatches:
+      raise ValueError(message + f" Got a batch of {int(static)}.")
+    return []
+  return [tf.debugging.assert_equal(batch_size % num_microbatches, 0, message=message)]
 
 
 def check_mask_and_microbatches(mask, num_microbatches):
@@ -123,31 +143,23 @@ def check_mask_and_microbatches(mask, num_microbatches):
                      "num_microbatches: use per-example units.")
 
 
-def seed_generators(model):
-  """Keras ``SeedGenerator``s of all layers (Dropout and other random layers)."""
-  gens = []
-  for layer in model._flatten_layers(include_self=True, recursive=True):
-    for gen in getattr(layer, "_seed_generators", ()):
-      if all(gen is not g for g in gens):
-        gens.append(gen)
-  return gens
-
-
 def per_unit_random_state(generators, unit_index):
-  """A ``keras.StatelessScope`` giving unit ``unit_index`` its own random stream.
+  """A :class:`~tf_dpnsgd.per_example.stateless.RecordingScope` giving unit ``unit_index``
+  its own random stream.
 
   Inside ``tf.vectorized_map`` a layer's random op would otherwise draw ONE
   mask for the whole batch (the seed is loop invariant), e.g. identical
   dropout for every example. Offsetting each generator's state by the unit
   index gives independent per-example masks; the generators are advanced
-  once per step by the caller.
+  once per step by the caller. Every variable assigned inside is recorded
+  (``scope.assigned``); the engine refuses any but the seeds.
   """
   mapping = []
   for gen in generators:
     state = gen.state.value
     offset = tf.cast(unit_index, state.dtype) * tf.constant(0x9E3779B1, state.dtype)
     mapping.append((gen.state, state + tf.stack([tf.zeros([], state.dtype), offset])))
-  return keras.StatelessScope(state_mapping=mapping)
+  return stateless.RecordingScope(state_mapping=mapping)
 
 
 # --- oneDNN ------------------------------------------------------------------
@@ -329,14 +341,20 @@ class ExplicitBiasAdd:
 # --- the engine -------------------------------------------------------------------
 
 def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_microbatches):
-  """``(grads, losses, y_pred)`` per unit from ``tf.vectorized_map`` (builds ops only)."""
+  """``(grads, losses, y_pred)`` per unit from ``tf.vectorized_map`` (builds ops only).
+
+  Raises:
+    StateWriteError: the forward pass or the loss writes a variable other
+      than the seed generators' states (while tracing, nothing has run).
+  """
+  assigned = []
 
   def unit_gradient(args):
     x_u, y_u, index = args
     if not num_microbatches:
       x_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), x_u)
       y_u = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y_u)
-    with per_unit_random_state(generators, index):
+    with per_unit_random_state(generators, index) as scope:
       with tf.GradientTape() as tape:
         with ExplicitBiasAdd(model):
           y_pred = model(x_u, training=True)
@@ -344,11 +362,15 @@ def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_micro
         loss = tf.reduce_mean(losses)
       grads = tape.gradient(loss, variables,
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    assigned.extend(scope.assigned)
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (Embedding) -> dense
     return grads, losses, y_pred
 
   units = batch_size_of(xu)
-  return tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+  with stateless.NoStateWrites(model, map_seeds=False):  # raw writes (seeds are mapped above)
+    out = tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+  stateless.refuse_state_writes(model, assigned, [], allowed=[g.state for g in generators])
+  return out
 
 
 def onednn_hazards(model, loss_fn, x, y, num_microbatches=None, variables=None) -> list:
@@ -363,7 +385,7 @@ def onednn_hazards(model, loss_fn, x, y, num_microbatches=None, variables=None) 
   """
   if variables is None:
     variables = model.trainable_variables
-  generators = seed_generators(model)
+  generators = stateless.random_state(model)
   specs = tf.nest.map_structure(tf.type_spec_from_value, (x, y))
 
   def trace(x_, y_):
@@ -394,6 +416,8 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
 
   Raises:
     ValueError: for ragged or sparse inputs (:func:`check_dense_inputs`).
+    StateWriteError: the forward pass writes a variable other than the seed
+      generators' states (:mod:`~tf_dpnsgd.per_example.stateless`).
     UnsupportedLayerError: with oneDNN on (:func:`onednn_enabled`), if the
       traced graph holds a batch matmul oneDNN breaks
       (:func:`onednn_matmul_hazards`); raised while tracing (in eager mode,
@@ -407,7 +431,7 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     xu = to_units(x, num_microbatches)
     yu = to_units(y, num_microbatches)
 
-  generators = seed_generators(model)
+  generators = stateless.random_state(model)
   check = onednn_enabled()
   if check and tf.executing_eagerly():  # vectorized_map would run at once: trace it first
     hazards = onednn_hazards(model, loss_fn, x, y, num_microbatches, variables)
