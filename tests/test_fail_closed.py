@@ -326,3 +326,41 @@ def test_the_ledger_travels_with_every_save_path(tmp_path, how):
   loaded.privacy_ledger.sync()
   assert loaded.privacy_ledger.steps == 4
   assert loaded.privacy_ledger.sampler_seed_hash == plan.sampler.seed_hash
+
+
+# --- scenario 5: tokens folded into the batch axis, under XLA ---------------------------
+def token_folding_model(T=4, D=3):
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((T, D))
+  h = keras.layers.Lambda(lambda t: tf.reshape(t, [-1, D]))(inp)  # [B*T, D]: tokens as rows
+  h = keras.layers.Dense(2, name="tok")(h)
+  out = keras.layers.Lambda(lambda t: tf.reduce_sum(tf.reshape(t, [-1, T, 2]), axis=1))(h)
+  return tf_dpnsgd.DPModel(inp, out, per_example="layerwise")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_tokens_folded_into_the_batch_axis_are_refused_also_under_xla(jit_compile):
+  T, D = 4, 3
+  x = np.random.default_rng(0).normal(size=(10, T, D)).astype("float32") * 100
+  y = np.zeros(10, np.int32)
+  model = token_folding_model(T, D)
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0,
+                                          noise_multiplier=0.0), loss=LOSS,
+                jit_compile=jit_compile)
+  # The oracle, by hand: the example's kernel gradient is sum_t outer(x_t, delta) (delta =
+  # dLoss/dlogits, the same for every token); clipping each TOKEN term to 1 and summing, as
+  # an engine that took rows for examples would, moves the sum by more than the clip.
+  logits = tf.constant(model(x[:1]))
+  with tf.GradientTape() as tape:
+    tape.watch(logits)
+    loss = LOSS(y[:1], logits)
+  delta = tape.gradient(loss, logits).numpy()[0]
+  terms = [np.outer(x[0, t], delta) for t in range(T)]
+  clipped = sum(term * min(1.0, 1.0 / np.linalg.norm(term)) for term in terms)
+  assert np.linalg.norm(clipped) > 1.2  # one example moves the sum by more than the clip (1)
+  before = [w.copy() for w in model.get_weights()]
+  with pytest.raises(tf_dpnsgd.per_example.UnsupportedLayerError, match="first axis"):
+    model.fit(x, y, batch_size=3, epochs=1, verbose=0, shuffle=False)
+  assert model.privacy_ledger.steps == 0
+  for a, b in zip(before, model.get_weights()):
+    np.testing.assert_array_equal(a, b)

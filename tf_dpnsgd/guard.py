@@ -17,6 +17,14 @@ which, before Keras' compiled step runs on any batch:
    all workers hold the same ledger step and sampler seed (a collective);
 5. on the first batch after every ``compile``, probes the forward pass:
    examples that interact (:mod:`tf_dpnsgd.interaction`);
+   under XLA, for every new batch shape, traces the engine's per-example pass
+   with the batch's STATIC shapes (:func:`make_structure_check`), so that
+   the engines' shape checks (one row per example: e.g. tokens folded into
+   the batch axis before a Dense) are decided while tracing, in Python, and
+   cannot be compiled away; variable writes in the forward pass are refused
+   by the engines while tracing (:mod:`tf_dpnsgd.per_example.stateless`) and
+   a forward pass that cannot be reproduced with every random op frozen by
+   the probe;
 6. only then runs the step, and records on the host how far the lineage got.
 
 Why on the host: an in-graph ``tf.debugging.Assert`` orders only what
@@ -33,6 +41,7 @@ import tensorflow as tf
 
 from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
+from tf_dpnsgd import forward_checks
 from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
 
@@ -122,6 +131,25 @@ def _check_workers(strategy, ledger, summary) -> None:
                                          "sampler seed (hash)")
 
 
+def make_structure_check(model):
+  """``check(data)``: under XLA, :func:`tf_dpnsgd.forward_checks.verify_step_structure`
+  once per new batch shape signature (see the module doc); without XLA the engines'
+  own checks run in the step's graph and nothing is added here."""
+  seen = set()
+  strategy = model.distribute_strategy
+
+  def check(data):
+    if not model.jit_compile:
+      return
+    signature = forward_checks.shape_signature(data, strategy)
+    if signature in seen:
+      return
+    forward_checks.verify_step_structure(model, data)
+    seen.add(signature)
+
+  return check
+
+
 def _take(iterator, count):
   stream = iter(iterator)
   batches = [next(stream)]  # StopIteration: end of the data, as Keras expects
@@ -140,6 +168,7 @@ def wrap(model, main):
   strategy = model.distribute_strategy
   reader = make_batch_reader(model)
   probe = interaction.make_probe_function(model)
+  structure = make_structure_check(model)
 
   def function(iterator):
     ledger.sync()
@@ -157,6 +186,8 @@ def wrap(model, main):
         raise interaction.ExampleInteractionError(
             interaction.interaction_message(f"model '{model.name}'"))
       state.probe_pending = not any(bool(t) for t in strategy.experimental_local_results(tested))
+    for data in batches:
+      structure(data)
     if vouched and any(not s.tagged for s in summaries):
       ledger.add_flags(coverage.UNVERIFIED_BATCHES)
     try:

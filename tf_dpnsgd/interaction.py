@@ -62,15 +62,13 @@ data or deviations. For a model without interaction the bit is "pass" for
 every batch (the observers' values are bit-identical), so it leaks nothing;
 a failure stops training before any update.
 
-Integration (:mod:`tf_dpnsgd.training`): ``compile`` arms an
-:class:`InteractionGuard` (a Python flag, never saved), and
-``make_train_function`` wraps Keras' train function
-(:func:`build_train_function`). Its first call after ``compile`` takes the
-first batch from the iterator, runs the probe on it in its own compiled
-function (per replica, with ``strategy.run``), raises
-:class:`ExampleInteractionError` if examples interact, and only then runs
-Keras' train step on that batch; later calls go straight to Keras' function
-(no per-step cost, no change to the traced train step). Why not an in-graph
+Integration (:mod:`tf_dpnsgd.guard`): every ``compile`` marks the probe
+pending; the guard around Keras' train function takes the first batch from
+the iterator, runs the probe on it in its own compiled function (per replica,
+with ``strategy.run``), raises :class:`ExampleInteractionError` if examples
+interact (or the forward pass cannot be reproduced), and only then runs
+Keras' train step on that batch; later calls skip the probe (no per-step
+cost, no change to the traced train step). Why not an in-graph
 ``tf.cond`` + ``tf.debugging.Assert`` inside ``train_step``: an assertion
 orders only what depends on its data, so a failing step still ran the
 step's data-independent updates (``optimizer.iterations``, the noise
@@ -97,7 +95,6 @@ GRADIENT_RTOL = 1e-6
 """Gradient leak allowed, relative to the observers' own input gradient."""
 _TINY = 1e-30
 
-GUARD_ATTR = "_dp_interaction_guard"
 
 
 class ExampleInteractionError(ValueError):
@@ -367,13 +364,6 @@ def assert_no_interaction(model, x, y, mask=None, loss_fn=None) -> None:
 
 
 # --- integration with the DP train step ------------------------------------------------
-class InteractionGuard:
-  """Per-compile probe state: ``pending`` until a batch could be probed. Plain Python, never saved."""
-
-  def __init__(self):
-    self.pending = True
-
-
 def _mask_of(sample_weight):
   if isinstance(sample_weight, dict) and ledger_lib.DP_MASK_KEY in sample_weight:
     return sample_weight[ledger_lib.DP_MASK_KEY]
@@ -428,38 +418,3 @@ def make_probe_function(model):
   return probe if model.run_eagerly else tf.function(probe, autograph=False)
 
 
-def build_train_function(model, make_train_function):
-  """Sets ``model.train_function``: Keras' own, probing the first batch(es) after ``compile``.
-
-  While the guard is pending, a call takes the first batch from the
-  iterator, probes it (raising :class:`ExampleInteractionError` before any
-  step ran), and then runs Keras' train function on that batch and the next
-  ``steps_per_execution - 1``. Afterwards calls go straight to Keras'
-  function (no per-step cost).
-  """
-  make_train_function(force=True)
-  main = model.train_function
-  guard = getattr(model, GUARD_ATTR, None)
-  if guard is None:
-    return main
-  probe = make_probe_function(model)
-  strategy = model.distribute_strategy
-
-  def function(iterator):
-    if not guard.pending:
-      return main(iterator)
-    stream = iter(iterator)
-    batches = [next(stream)]  # StopIteration: end of the data, as Keras expects
-    tested, interacting = probe(batches[0])
-    if any(bool(t) for t in strategy.experimental_local_results(interacting)):
-      raise ExampleInteractionError(interaction_message(f"model '{model.name}'"))
-    guard.pending = not any(bool(t) for t in strategy.experimental_local_results(tested))
-    for _ in range(int(model.steps_per_execution) - 1):
-      try:
-        batches.append(next(stream))
-      except StopIteration:
-        break
-    return main(batches)
-
-  model.train_function = function
-  return function

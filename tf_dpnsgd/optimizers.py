@@ -465,7 +465,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     refused step changes no weight, clip or ledger entry. A violation known
     while tracing raises ``ValueError`` at once. XLA drops assertions, so under
     ``jit_compile`` the same checks run on the host before each step
-    (:func:`tf_dpnsgd.ledger.check_batches_on_host`); were they bypassed, the
+    (:mod:`tf_dpnsgd.guard`); were they bypassed, the
     gradient noise of such a step would be NaN (nothing is released).
     """
     if self.adaptive_clip is None or self.noise_multiplier == 0 \
