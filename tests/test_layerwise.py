@@ -619,7 +619,8 @@ def test_small_transformer_matches_loop():
 
 def _one_step_weights(make_model, per_example, optimizer_fn, x, y):
   keras.utils.set_random_seed(7)
-  model = tf_dpnsgd.make_private(make_model(), per_example=per_example)
+  model = tf_dpnsgd.make_private(make_model(), per_example=per_example,
+                                 trust_untagged_batches=True)  # one hand-made batch
   model.compile(optimizer=optimizer_fn(),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.train_on_batch(x, y)
@@ -660,7 +661,8 @@ def test_physical_batch_chunks_give_the_same_update():
   weights = []
   for physical in (None, 3):
     keras.utils.set_random_seed(3)
-    model = tf_dpnsgd.make_private(make(), per_example="layerwise", physical_batch_size=physical)
+    model = tf_dpnsgd.make_private(make(), per_example="layerwise", physical_batch_size=physical,
+                                   trust_untagged_batches=True)  # one hand-made batch
     model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=1.0, regularizer=0.1,
                                              noise_multiplier=0.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

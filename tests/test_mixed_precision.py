@@ -34,7 +34,8 @@ def build(policy, engine, weights=None):
   h = keras.layers.Flatten()(h)
   h = keras.layers.Dense(5, activation="relu")(h)
   out = keras.layers.Dense(3)(h)
-  model = tf_dpnsgd.DPModel(inp, out, per_example=engine)
+  model = tf_dpnsgd.DPModel(inp, out, per_example=engine,
+                            trust_untagged_batches=True)  # hand-made batches
   if weights is not None:
     for v, w in zip(model.trainable_variables, weights, strict=True):
       v.assign(w)
@@ -175,6 +176,7 @@ def test_chunked_step_matches_float32_under_float16():
   for policy in ("float32", "mixed_float16"):
     model = build(policy, "layerwise", weights)
     model = tf_dpnsgd.DPModel(model.inputs, model.outputs, per_example="vectorized",
+                              trust_untagged_batches=True,
                               physical_batch_size=3)
     model.compile(optimizer=optimizer("nsgd"), loss=LOSS)
     model.train_on_batch(x, y)
@@ -264,7 +266,8 @@ def build_text(policy, weights=None):
   h = keras.layers.GroupNormalization(groups=2)(h)
   h = keras.layers.GlobalAveragePooling1D()(h)
   out = keras.layers.Dense(3)(h)
-  model = tf_dpnsgd.DPModel(inp, out, per_example="layerwise")
+  model = tf_dpnsgd.DPModel(inp, out, per_example="layerwise",
+                            trust_untagged_batches=True)  # hand-made batches
   if weights is not None:
     for v, w in zip(model.trainable_variables, weights, strict=True):
       v.assign(w)

@@ -103,7 +103,8 @@ def train(make, init, engine, optimizer, x, y, jit_compile, **dp_options):
   """Trains ``STEPS`` steps from ``init``; returns (model, trainable weights after)."""
   base = make()
   base.set_weights(init)
-  model = tf_dpnsgd.make_private(base, per_example=engine, **dp_options)
+  model = tf_dpnsgd.make_private(base, per_example=engine, trust_untagged_batches=True,
+                                 **dp_options)  # hand-made batches
   model.compile(optimizer=optimizer, loss=XENT, jit_compile=jit_compile)
   assert bool(model.jit_compile) == jit_compile  # Keras may silently turn XLA off
   for _ in range(STEPS):

@@ -1,8 +1,8 @@
 """``DPModel`` and ``make_private``: the train step that feeds DP optimizers.
 
-This module is long (about 560 lines): the DP train step, its Keras glue (compile,
-metrics, physical chunks) and the two model classes share one mixin's state and are
-easier to check together.
+This module is long (about 680 lines): the Keras glue of the DP step (options, the owned
+plan, compile, fit under the guard, metrics, saving) and the two model classes share one
+mixin's state and are easier to check together; the step itself is :mod:`tf_dpnsgd.step`.
 
 Keras 3's default ``train_step`` differentiates a reduced loss, so an optimizer
 never sees per-example gradients. ``DPModel`` replaces the train step with the
