@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -35,6 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpnsgd import records
 from tf_dpnsgd import training
 from tf_dpnsgd.data import cifar10
 
@@ -262,31 +262,6 @@ def package_versions() -> dict:
   return versions
 
 
-def _jsonable(value, where):
-  if isinstance(value, dict):
-    out = {}
-    for key, item in value.items():
-      if not isinstance(key, str):
-        raise TypeError(f"Report field {where}: keys must be strings; got {key!r}.")
-      _reject_secret(key, f"{where}.{key}")
-      out[key] = _jsonable(item, f"{where}.{key}")
-    return out
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
-  if isinstance(value, (np.generic, np.ndarray)):
-    return _jsonable(value.tolist(), where)
-  if isinstance(value, tf.Tensor):
-    return _jsonable(value.numpy().tolist(), where)
-  if isinstance(value, float) and not math.isfinite(value):
-    return str(value)  # JSON has no inf/nan; "inf" for an unbounded epsilon
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, os.PathLike):
-    return os.fspath(value)
-  raise TypeError(f"Report field {where} has type {type(value).__name__}, which JSON cannot "
-                  "hold; pass numbers, strings, lists or dicts.")
-
-
 def _reject_secret(key, where):
   if SECRET_FIELD.search(key.lower()) and key.lower() not in PUBLIC_SEED_FIELDS:
     raise ValueError(
@@ -325,7 +300,7 @@ def write_privacy_report(path, **fields):
         "RunRecord.to_dict() does this.")
   if isinstance(fields.get("not_covered"), str):
     raise TypeError("`not_covered` must be a list of sentences, not one string.")
-  report = _jsonable(dict(fields), "report")
+  report = records.json_ready(dict(fields), "report", check_key=_reject_secret)
   report["versions"] = package_versions()
   parent = os.path.dirname(path)
   if parent:

@@ -42,6 +42,8 @@ import math
 import os
 from typing import Any, Optional
 
+import numpy as np
+
 # Keys of PrivacyReport.to_dict() that are not RunRecord fields (kept in `accounting`).
 ACCOUNTING_KEYS = (
     "accountant", "assumptions", "batch_size", "bound", "calibration_tolerance",
@@ -71,15 +73,41 @@ def _metric(value):
   return value
 
 
-def _json_ready(value):
-  """Non-finite floats as strings (as :func:`tf_dpnsgd.export.write_privacy_report` does)."""
+def json_ready(value, where: str = "value", check_key=None):
+  """``value`` as JSON can hold it: the one cleaner of every file the package writes.
+
+  Non-finite floats become strings (``"inf"`` for an unbounded epsilon; JSON
+  has no inf/nan), NumPy and TensorFlow values plain lists and numbers, paths
+  strings; anything else raises. ``check_key(key, where)`` (e.g. the export's
+  refusal of seed-like keys) sees every dict key.
+
+  >>> json_ready({"epsilon": float("inf"), "steps": [1, 2]})
+  {'epsilon': 'inf', 'steps': [1, 2]}
+  """
   if isinstance(value, dict):
-    return {k: _json_ready(v) for k, v in value.items()}
+    out = {}
+    for key, item in value.items():
+      if not isinstance(key, str):
+        raise TypeError(f"Report field {where}: keys must be strings; got {key!r}.")
+      if check_key is not None:
+        check_key(key, f"{where}.{key}")
+      out[key] = json_ready(item, f"{where}.{key}", check_key)
+    return out
   if isinstance(value, (list, tuple)):
-    return [_json_ready(v) for v in value]
+    return [json_ready(v, f"{where}[{i}]", check_key) for i, v in enumerate(value)]
+  if isinstance(value, (np.generic, np.ndarray)):
+    return json_ready(value.tolist(), where, check_key)
+  if hasattr(value, "numpy") and callable(value.numpy):  # a TensorFlow tensor or variable
+    return json_ready(np.asarray(value.numpy()).tolist(), where, check_key)
   if isinstance(value, float) and not math.isfinite(value):
     return str(value)
-  return value
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, os.PathLike):
+    return os.fspath(value)
+  raise TypeError(f"Report field {where} has type {type(value).__name__}, which JSON cannot "
+                  "hold; pass numbers, strings, lists or dicts.")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +219,7 @@ class RunRecord:
 
   def to_json(self) -> str:
     """Strict JSON (no NaN/Infinity constants), keys sorted."""
-    return json.dumps(_json_ready(self.to_dict()), sort_keys=True, allow_nan=False)
+    return json.dumps(json_ready(self.to_dict()), sort_keys=True, allow_nan=False)
 
   @classmethod
   def from_dict(cls, d: dict) -> "RunRecord":
