@@ -418,7 +418,7 @@ def test_uncovered_layer_makes_layerwise_raise_and_auto_fall_back(caplog):
   assert choose_engine(model)[0] == "vectorized"
   with caplog.at_level(logging.INFO, logger="tf_dpnsgd.per_example"):
     engine = resolve_engine(model, "auto")
-  assert engine is tf_dpnsgd.per_example.vectorized_engine
+  assert engine.dense_engine is tf_dpnsgd.per_example.vectorized_engine
   warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and "my_lstm" in warnings[0].getMessage()
 
@@ -426,7 +426,7 @@ def test_uncovered_layer_makes_layerwise_raise_and_auto_fall_back(caplog):
 def test_auto_picks_layerwise_for_covered_model(caplog):
   model = seq_model(keras.layers.Dense(2), (3,))
   with caplog.at_level(logging.INFO, logger="tf_dpnsgd.per_example"):
-    assert resolve_engine(model, "auto") is layerwise_engine
+    assert resolve_engine(model, "auto").dense_engine is layerwise_engine
   assert any("layer-wise" in r.getMessage() for r in caplog.records)
 
 

@@ -219,3 +219,19 @@ def test_sparse_inputs_are_refused_with_advice_before_any_update():
   for name, engine in ENGINES.items():
     with pytest.raises(ValueError, match="SparseTensor"):
       engine(base, XENT.call, x, tf.constant(y), transform)
+
+
+def test_auto_keeps_its_dense_choice_and_routes_only_ragged_batches_to_microbatch(caplog):
+  """The same 'auto' engine: layer-wise for padded ids (no warning), microbatch for ragged."""
+  import logging
+  from tf_dpnsgd.per_example import layerwise_engine, resolve_engine
+  from tf_dpnsgd.transforms import Normalize
+  x = ragged_ids()
+  model = built(Bag(), x)
+  engine = resolve_engine(model, "auto")
+  assert engine.dense_engine is layerwise_engine
+  with caplog.at_level(logging.WARNING, logger="tf_dpnsgd.per_example"):
+    engine(model, XENT.call, x.to_tensor(), tf.constant(labels(6)), Normalize(R))
+    assert not caplog.records
+    engine(model, XENT.call, x, tf.constant(labels(6)), Normalize(R))
+  assert any("ragged" in r.getMessage() for r in caplog.records)

@@ -109,7 +109,9 @@ def _microbatch_for_ragged_inputs(engine):
 
   Only the microbatch engine is exact on ragged inputs (it runs one example
   at a time); the layer-wise and vectorized engines refuse them. Decided per
-  traced batch (a Python check of the input types, nothing runs).
+  traced batch (a Python check of the input types, nothing runs). The
+  returned function's ``dense_engine`` attribute is ``engine`` (the choice
+  for dense inputs).
   """
   def auto_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None):
     if has_ragged_inputs(x):
@@ -121,6 +123,7 @@ def _microbatch_for_ragged_inputs(engine):
                                num_microbatches=num_microbatches)
     return engine(model, loss_fn, x, y, transform, mask=mask,
                   num_microbatches=num_microbatches)
+  auto_engine.dense_engine = engine
   return auto_engine
 
 
@@ -147,7 +150,8 @@ def resolve_engine(model, name: str):
   """Returns the engine function for ``model``; ``"auto"`` logs its choice once.
 
   ``"auto"`` runs the microbatch engine on ragged inputs (the only exact one
-  for them; :func:`_microbatch_for_ragged_inputs`).
+  for them; :func:`_microbatch_for_ragged_inputs`); its choice for dense
+  inputs is the returned function's ``dense_engine``.
 
   Raises:
     UnsupportedLayerError: for ``"layerwise"`` when some trainable variable
