@@ -306,6 +306,7 @@ CIFAR = dict(dataset_size=50000, batch_size=1000, epochs=100, delta=1e-5)
 SST2 = dict(dataset_size=67349, batch_size=1000, epochs=10, delta=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,stated", [(2.0, 3.6), (4.0, 2.0), (8.0, 1.2)])
 def test_paper_cifar10_sigmas_are_poisson_rdp_with_classic_conversion(target, stated):
   classic = acc.calibrate(target_epsilon=target, sampling="poisson", conversion="classic",
@@ -332,6 +333,7 @@ def test_paper_cifar10_sigma_is_not_its_own_bound_nor_uniform_sampling():
   assert uniform.epsilon > 30.0
 
 
+@pytest.mark.slow
 def test_paper_sst2_sigma_is_not_reproduced():
   stated = 0.635
   # RDP (the accountant the paper names), both conversions: even sigma = 0.645 spends more
@@ -353,6 +355,7 @@ def test_paper_sst2_sigma_is_not_reproduced():
 # ---------------------------------------------------------------------------
 # Calibration.
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_calibration_matches_dp_accounting_and_is_tight():
   n, b, steps, target, tol = 10000, 100, 2000, 3.0, 1e-4
   spec = acc.make_spec(n, b, "poisson")
@@ -367,6 +370,7 @@ def test_calibration_matches_dp_accounting_and_is_tight():
   assert acc.epsilon_for(spec, sigma - tol, steps, DELTA) > target
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     dict(sampling="uniform", orders=SMALL_ORDERS),
     dict(sampling="uniform", bound="min", orders=SMALL_ORDERS, conversion="classic"),
@@ -422,6 +426,7 @@ KINDS = [("poisson", "rdp"), ("poisson", "pld"), ("uniform", "rdp"), ("shuffle",
          ("shuffle", "pld")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling,accountant", KINDS)
 def test_epsilon_grows_with_steps_and_q_and_falls_with_sigma(sampling, accountant):
   orders = SMALL_ORDERS if sampling == "uniform" else None

@@ -108,6 +108,7 @@ def test_each_contribution_is_bounded_by_the_clip_of_its_own_step_at_1e6_norms()
   np.testing.assert_allclose(np.array(log.after) / np.array(log.before), np.exp(0.5), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_noise_std_of_step_t_is_sigma_grad_times_the_clip_of_step_t():
   # Zero gradients (x = 0, no bias): the update is the noise alone. All examples are
   # unclipped, gamma = 0, so the clip shrinks by ~exp(-0.5) per step: C_t and C_{t+1}
@@ -138,6 +139,7 @@ def test_optimizer_noise_uses_the_transform_it_is_given():
   assert abs(float(tf.math.reduce_std(noised)) / (sigma_grad * 7.0 / 10) - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_count_noise_std_and_independence_from_the_gradient_stream():
   opt = tf_dpnsgd.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, target_unclipped_quantile=0.5,
                         clipped_count_stddev=3.0, seed=5)
@@ -152,6 +154,7 @@ def test_count_noise_std_and_independence_from_the_gradient_stream():
   assert abs(np.corrcoef(fractions, grads)[0, 1]) < 0.12  # 3.8 standard errors
 
 
+@pytest.mark.slow
 def test_clip_converges_near_the_target_quantile_of_a_fixed_norm_distribution():
   norms = np.linspace(1.0, 100.0, 100)  # the gamma-quantile is ~ 100 gamma
   x, y = _norm_data(norms)
@@ -183,6 +186,7 @@ def _adaptive_model(seed=9):
   return model
 
 
+@pytest.mark.slow
 def test_clip_is_checkpointed_and_a_resumed_run_equals_a_straight_run(tmp_path):
   x, y = _fixed_batches()
   straight = _adaptive_model()
@@ -213,6 +217,7 @@ def test_clip_is_checkpointed_and_a_resumed_run_equals_a_straight_run(tmp_path):
   assert loaded.optimizer.target_unclipped_quantile == 0.5
 
 
+@pytest.mark.slow
 def test_l2_norm_clip_metric_in_history_and_progress_logs():
   x, y = _fixed_batches(48)
   model = _adaptive_model()
@@ -380,6 +385,7 @@ def test_plan_refuses_a_count_noise_too_small_for_its_batch_and_a_lower_recorded
   assert any("adaptive clipping" in n and "count" in n for n in report.notes)
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_adapts_the_clip_like_a_single_device():
   # The count is all-reduced before its (single) noise draw, like the gradient sum.
   from test_distribute import run_mirrored

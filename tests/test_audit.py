@@ -186,6 +186,7 @@ def _fdp_bound_oracle(m, r, v, delta, confidence=0.95):
   return lo
 
 
+@pytest.mark.slow
 def test_fdp_test_matches_the_published_procedure():
   for m, r, v in ((100, 20, 15), (1000, 100, 60), (1000, 300, 165), (1000, 300, 201),
                   (1000, 500, 500), (5000, 1000, 800)):
@@ -249,6 +250,7 @@ def test_fdp_rejection_is_monotone_in_epsilon():
         assert not any(rejected[first_kept:]), (m, r, v)
 
 
+@pytest.mark.slow
 def test_fdp_is_at_least_steinke_on_the_same_counts():
   """Over a grid of counts the f-DP bound is >= Steinke et al.'s wherever the latter is at least
   0.06. Near 0 the f-DP test can be slightly weaker (largest gap found: 0.018 at (100, 42, 27),
@@ -287,6 +289,7 @@ def test_fdp_bound_holds_for_an_exactly_gaussian_mechanism():
   assert np.median(values) > 0.3 * true_eps   # not trivially 0 either
 
 
+@pytest.mark.slow
 def test_tight_gaussian_simulation_at_the_harness_settings():
   """The issue's simulation: an exactly tight white-box Gaussian mechanism at the harness's
   (sigma 4, T 200, q ~ 0.1, m 1000): each canary's score is the number of batches that held
@@ -448,6 +451,7 @@ def _toy_model(d=4, width=8):
   return keras.Model(inp, keras.layers.Dense(2)(h))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["dpsgd", "dpnsgd"])
 def test_dirac_canary_updates_match_the_sampler_exactly(optimizer):
   """No noise: an included canary's table entry moves by lr * (its transformed norm) / B
@@ -589,6 +593,7 @@ def _claimed_by_accountant(report):
   return plan.epsilon(report.steps)
 
 
+@pytest.mark.slow
 def test_harness_a_no_noise_gives_a_large_lower_bound():
   report = harness_run("dpsgd_no_noise")
   assert math.isinf(report.epsilon_claimed)
@@ -597,6 +602,7 @@ def test_harness_a_no_noise_gives_a_large_lower_bound():
   assert report.to_dict()["epsilon_claimed"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpsgd_planned", "dpnsgd_planned", "dpsgd_adaptive_planned"])
 def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
   report = harness_run(name)
@@ -607,6 +613,7 @@ def test_harness_b_planned_noise_does_not_contradict_the_claim(name):
   assert not report.contradicts_claim
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpsgd_tenfold_less_noise", "dpnsgd_tenfold_less_noise",
                                   "dpsgd_unclipped", "dpsgd_adaptive_stale_clip_noise"])
 def test_harness_c_a_broken_mechanism_is_caught(name):
@@ -696,6 +703,7 @@ def test_harness_report_and_figure(tmp_path):
 
 
 # --- black-box canaries and the launcher ----------------------------------------------------
+@pytest.mark.slow
 def test_input_canaries_black_box_run():
   from tf_dpnsgd.data import digits
   (x, y), _ = digits.load_digits()

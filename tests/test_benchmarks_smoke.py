@@ -10,6 +10,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# runs the benchmark scripts in subprocesses (minutes)
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Mostly XLA compilation of the DP steps: about 4.6 CPU-minutes in all (measured on a
 # loaded 2-core machine, where it took 23 minutes of wall time).

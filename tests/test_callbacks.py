@@ -59,6 +59,7 @@ def read_scalars(log_dir, tag):
   return out
 
 
+@pytest.mark.slow
 def test_epsilon_in_logs_history_tensorboard_and_planned_stop(tmp_path):
   plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=12,
                      noise_multiplier=1.0, delta=1e-5, seed=1)
@@ -102,6 +103,7 @@ def test_budget_stop_never_crosses_the_budget(steps_per_execution):
   assert all(e <= budget for e in history.history[EPSILON_KEY])
 
 
+@pytest.mark.slow
 def test_resumed_run_counts_all_steps(tmp_path):
   plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=20,
                      noise_multiplier=1.5, delta=1e-5, seed=3)

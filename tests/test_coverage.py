@@ -92,6 +92,7 @@ def test_check_refuses_undeclared_data_derived_state_and_accepts_declared():
     coverage.check_data_derived_state(model, ["norm", "nrom"])
 
 
+@pytest.mark.slow
 def test_report_names_adapted_state_that_appeared_after_make_private():
   """Adapted after make_private (so no check at construction saw it): plan.report lists
   the layer as NOT declared, in to_dict() and in the statement (0 steps suffice)."""
@@ -349,6 +350,7 @@ def _digits(value) -> str:
   return str(int(value))
 
 
+@pytest.mark.slow
 def test_no_secret_in_repr_str_reports_records_or_configs(tmp_path):
   """The OS-drawn sampler seed and noise key (63-bit: their decimal digits cannot appear
   by chance) are absent from every repr/str, report, record and saved config."""

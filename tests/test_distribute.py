@@ -58,6 +58,7 @@ def run_mirrored(noise: float, **optimizer_kwargs) -> dict:
   return {k: float(v) for k, v in zip(keys, line[0].split()[1:])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noise", [0.0, 2.0])
 def test_mirrored_strategy_matches_single_device(noise):
   r = run_mirrored(noise)
@@ -67,6 +68,7 @@ def test_mirrored_strategy_matches_single_device(noise):
   assert r["steps"] == 2  # one noise draw per logical batch
 
 
+@pytest.mark.slow
 def test_mirrored_every_sampling_matches_single_process_and_draws_once(tmp_path):
   """Poisson, uniform and shuffle plans (odd B: a masked padding row per step, next to an
   example of magnitude 1e6) on 2 replicas: same ledger and weights as one process at

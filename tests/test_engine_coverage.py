@@ -101,6 +101,7 @@ GROUPED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GROUPED))
 def test_grouped_conv_layerwise_matches_loop(name):
   make, shape = GROUPED[name]
@@ -128,6 +129,7 @@ def _cancelling_grouped_model(dtype):
   return keras.Model(inputs, keras.layers.Dense(3, dtype=dtype)(h))
 
 
+@pytest.mark.slow
 def test_grouped_conv_cancelling_uses_at_large_magnitude():
   # The same grouped convolution applied to x and -1.0001 x at magnitude 1e6: the two
   # uses' per-example gradients nearly cancel (float32 terms ~1e3 x the norm). The oracle
@@ -319,6 +321,7 @@ y = tf.constant(np.arange(16) % 3)
 """
 
 
+@pytest.mark.slow
 def test_child_with_onednn_off_vectorized_attention_matches_loop():
   code = _CHILD_MODEL + """
 assert not vectorized.onednn_enabled()
@@ -339,6 +342,7 @@ print("EXACT")
   assert result.returncode == 0 and "EXACT" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_child_with_onednn_default_refuses_cleanly():
   code = _CHILD_MODEL + """
 if not vectorized.onednn_enabled():

@@ -33,6 +33,7 @@ def _trained_image_model():
   return model
 
 
+@pytest.mark.slow
 def test_image_export_matches_in_memory_model_on_raw_pixels(tmp_path):
   model = _trained_image_model()
   export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
@@ -49,6 +50,7 @@ def test_image_export_matches_in_memory_model_on_raw_pixels(tmp_path):
     np.testing.assert_array_equal(out["class_ids"].numpy(), logits.argmax(-1))
 
 
+@pytest.mark.slow
 def test_export_holds_no_optimizer_state(tmp_path):
   model = _trained_image_model()
   export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
@@ -85,6 +87,7 @@ def test_image_export_refuses_double_normalization_and_overwrite(tmp_path):
     export.export_image_classifier(raw, tmp_path / "a", None, None)
 
 
+@pytest.mark.slow
 def test_text_export_takes_raw_sentences(tmp_path):
   pytest.importorskip("keras_hub")
   pytest.importorskip("tensorflow_text")
@@ -138,6 +141,7 @@ def test_write_privacy_report_refuses(tmp_path, fields, error, match):
 
 
 # --- RNG state ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_export_holds_no_rng_state_of_dropout(tmp_path):
   """Dropout's SeedGenerator state (derived from the run's seed) is not exported; serving
   (training=False) still reproduces the model."""

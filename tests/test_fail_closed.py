@@ -60,6 +60,7 @@ def weights(model):
 
 
 # --- scenario 1: make_private twice on one Keras model -----------------------------
+@pytest.mark.slow
 def test_a_second_make_private_of_the_same_model_continues_the_first_ledger():
   x, y = toy_data()
   plan = plan_()
@@ -121,6 +122,7 @@ def test_weights_reloaded_in_a_new_process_get_their_ledger_back(tmp_path):
 
 
 # --- scenario 3: a shuffle run resumed with a new sampler seed ------------------------
+@pytest.mark.slow
 def test_resuming_a_shuffle_run_with_a_new_seed_is_refused(tmp_path):
   x, y = toy_data()
   first = plan_("shuffle", seed=11)
@@ -146,6 +148,7 @@ def test_resuming_a_shuffle_run_with_a_new_seed_is_refused(tmp_path):
   assert resumed.privacy_ledger.steps == 7
 
 
+@pytest.mark.slow
 def test_poisson_steps_are_independent_so_a_fresh_seed_may_resume():
   x, y = toy_data()
   model = compile_(tf_dpnsgd.make_private(base_model()))
@@ -174,6 +177,7 @@ def test_untagged_batches_of_a_user_pipeline_are_refused_before_any_step():
     model.train_on_batch(x[:B], y[:B])  # a user batch: nothing says how it was drawn
 
 
+@pytest.mark.slow
 def test_untagged_batches_need_an_explicit_opt_in_that_the_ledger_records():
   x, y = toy_data()
   model = compile_(tf_dpnsgd.make_private(base_model(), trust_untagged_batches=True))
@@ -208,6 +212,7 @@ def step_updates(model, plan, x, y, steps):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("user_seed", [None, 5])
 def test_load_weights_of_an_earlier_checkpoint_never_repeats_noise_nor_uncounts(tmp_path,
                                                                                 user_seed):
@@ -271,6 +276,7 @@ def test_tf_train_checkpoint_restore_is_seen_at_the_next_step(tmp_path):
   assert model.privacy_ledger.noise_generation == 1
 
 
+@pytest.mark.slow
 def test_a_fresh_process_sees_a_rollback_through_the_lineage_record(tmp_path):
   x, y = toy_data()
   plan = plan_()

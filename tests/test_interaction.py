@@ -112,6 +112,7 @@ def test_in_batch_contrastive_loss_is_refused():
 
 
 # --- no false positives -----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
 def test_dense_dropout_norm_model_is_accepted(engine):
   x, y = data()
@@ -126,6 +127,7 @@ def test_dense_dropout_norm_model_is_accepted(engine):
   assert m._dp_guard.probe_pending is True
 
 
+@pytest.mark.slow
 def test_integer_tokens_and_dict_inputs_are_accepted():
   rng = np.random.default_rng(1)
   x = {"tokens": rng.integers(0, 20, size=(16, 6)).astype("int32"),
@@ -150,6 +152,7 @@ def test_integer_tokens_and_dict_inputs_are_accepted():
     bad.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+@pytest.mark.slow
 def test_steps_per_execution_consumes_every_batch():
   x, y = data(32)
   weights = []
@@ -164,6 +167,7 @@ def test_steps_per_execution_consumes_every_batch():
 
 
 # --- Poisson padding rows ---------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
 def test_padding_rows_contribute_exactly_zero(engine):
   x, y = data(12)
@@ -208,6 +212,7 @@ def _forward(m, loss=XENT):
   return interaction.model_forward_losses(m, losses_lib.per_example_loss_fn(loss))
 
 
+@pytest.mark.slow
 def test_probe_scores_and_untestable_batches():
   x, y = data(16)
   ok, bad = _forward(model()), _forward(model(mix=True))
@@ -316,6 +321,7 @@ DISTRIBUTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_probe_runs_per_replica_under_mirrored_strategy():
   out = subprocess.run([sys.executable, "-c", DISTRIBUTED], capture_output=True, text=True,
                        timeout=300)

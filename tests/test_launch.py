@@ -36,6 +36,7 @@ def report(model_dir):
     return json.load(f)
 
 
+@pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
   out = launch("tf_dpnsgd.launch.quickstart", "--epochs=3", f"--model_dir={tmp_path}/run",
                f"--export_dir={tmp_path}/export")
@@ -53,6 +54,7 @@ def test_quickstart_end_to_end(tmp_path):
   assert np.mean(pred == y_test) == pytest.approx(rep["final_metrics"]["accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_cifar10_local_pickles_export_and_resume(tmp_path):
   data = fixtures.write_cifar10_batches(tmp_path / "data", images_per_batch=20)
   del data
@@ -87,6 +89,7 @@ def progress_counts(stdout):
   return re.findall(r"(?m)^\s*(\d+)/(\d+) ", plain)
 
 
+@pytest.mark.slow
 def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
   preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
   # 48 sentences, batch 8: 6 steps per epoch, of which --max_steps=3 run.
@@ -113,6 +116,7 @@ def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
   assert out["probabilities"].shape == (2, 2)
 
 
+@pytest.mark.slow
 def test_cifar10_through_tfds_mock_data(tmp_path):
   launch("tf_dpnsgd.launch.cifar10", "--batch_size=8", "--physical_batch_size=8",
          "--max_steps=1", "--epochs=1", "--seed=0", f"--model_dir={tmp_path}", "--groups=4",
@@ -120,6 +124,7 @@ def test_cifar10_through_tfds_mock_data(tmp_path):
   assert report(tmp_path)["dataset_size"] == 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "only one of --noise_multiplier"),
     (["--optimizer=sgd", "--noise_multiplier=1.0"], "--optimizer=sgd trains without privacy"),
@@ -133,11 +138,13 @@ def test_bad_flags_fail_before_training(args, message):
   assert "epoch" not in out.stdout
 
 
+@pytest.mark.slow
 def test_missing_data_names_expected_layout(tmp_path):
   out = launch("tf_dpnsgd.launch.cifar10", f"--data_dir={tmp_path}", "--max_steps=1", check=False)
   assert out.returncode != 0 and "cifar-10-batches-py" in out.stderr
 
 
+@pytest.mark.slow
 def test_unknown_preset_fails_before_training(tmp_path):
   fixtures.write_sst2_tsv(tmp_path / "glue")
   out = launch("tf_dpnsgd.launch.sst2", "--preset=no_such_model_en", f"--data_dir={tmp_path}/glue",
@@ -145,6 +152,7 @@ def test_unknown_preset_fails_before_training(tmp_path):
   assert out.returncode != 0 and "Accepted presets" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/cifar10/dpsgd_eps2_cyclic.flags"])
 def test_paper_config_flagfile_runs(tmp_path, config):
   """A paper config parses and trains (tiny data and sizes overridden after the flagfile)."""
@@ -159,6 +167,7 @@ def test_paper_config_flagfile_runs(tmp_path, config):
   assert rep["conversion"] == "classic" and rep["target_epsilon"] == 2.0
 
 
+@pytest.mark.slow
 def test_all_config_flagfiles_are_valid_flags():
   """Every config line is a flag the launcher defines (checked without training)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +182,7 @@ def test_all_config_flagfiles_are_valid_flags():
     assert out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_existing_export_dir_fails_before_training(tmp_path):
   (tmp_path / "export").mkdir()
   out = launch("tf_dpnsgd.launch.quickstart", "--epochs=1", f"--model_dir={tmp_path}/run",
@@ -249,6 +259,7 @@ def test_flag_file_epsilon_and_command_line_sigma_conflict(tmp_path):
     parse_launcher_flags(f"--flagfile={flagfile}", "--noise_multiplier=1.2")
 
 
+@pytest.mark.slow
 def test_noise_multiplier_alone_and_sgd_run_and_runs_differ(tmp_path):
   """The quickstart (default --target_epsilon=4, --seed=0) with --noise_multiplier alone, twice:
   both run, and the releases differ (noise and sampling seeds come from the OS); then sgd."""
@@ -278,6 +289,7 @@ def test_seed_flag_keys_neither_the_noise_nor_the_sampler():
   assert len(seeds) == 3 and 0 not in seeds
 
 
+@pytest.mark.slow
 def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd):
   """A run's logs, stdout/stderr and every file it writes (checkpoint, privacy state,
   history, report, TensorBoard, SavedModel) hold neither the sampler nor the noise seed."""
@@ -340,6 +352,7 @@ def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd)
       assert not any(n in data for n in needles), f"{name} seed in {path}"
 
 
+@pytest.mark.slow
 def test_shuffle_run_refuses_to_resume_mid_epoch(tmp_path):
   """Sampler seeds are never saved, so a shuffle run resumed inside an epoch would draw a
   new permutation for its rest (examples repeated within the epoch): refused, one line."""

@@ -568,6 +568,7 @@ def test_resnet20_gn_matches_loop():
   assert_matches_oracle(model, _float((3, 8, 8, 3)), labels(3), transform=transforms.Normalize(0.1))
 
 
+@pytest.mark.slow
 def test_resnet20_gn_matches_vectorized_engine():
   model = tf_dpnsgd.models.resnet20(input_shape=(8, 8, 3), num_classes=3, depth=8)
   x, y = _float((3, 8, 8, 3)), labels(3)
@@ -627,6 +628,7 @@ def _one_step_weights(make_model, per_example, optimizer_fn, x, y):
   return [v.numpy() for v in model.trainable_variables]
 
 
+@pytest.mark.slow
 def test_dp_update_equals_microbatch_engine_update():
   def make():
     inputs = keras.Input((5, 5, 2))
@@ -649,6 +651,7 @@ def test_dp_update_equals_microbatch_engine_update():
       np.testing.assert_allclose(f, s, rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_physical_batch_chunks_give_the_same_update():
   def make():
     tokens = keras.Input((5,), dtype="int32")
@@ -679,6 +682,7 @@ def test_dpmodel_rejects_layerwise_for_uncovered_model_at_compile():
                   loss="sparse_categorical_crossentropy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["dpnsgd", "dpsgd"])
 def test_keras_hub_bert_fits_at_batch_64(optimizer):
   classifier = _tiny_bert()

@@ -80,6 +80,7 @@ def shuffle_epsilon_oracle(sigma, compositions):
 
 
 # --- 1. sampler and accountant drift apart at fit time -------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_keras_drawn_batches_under_a_poisson_plan_are_refused_before_any_step(jit_compile):
   x, y = toy_data()
@@ -93,6 +94,7 @@ def test_keras_drawn_batches_under_a_poisson_plan_are_refused_before_any_step(ji
   assert_unchanged(before, model)  # the refused step changed nothing
 
 
+@pytest.mark.slow
 def test_keras_drawn_batches_are_never_reported_with_poisson_accounting():
   x, y = toy_data()
   model = compile_(build())
@@ -113,6 +115,7 @@ def test_keras_drawn_batches_are_never_reported_with_poisson_accounting():
 
 
 # --- 2. replayed or skipped batches ---------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile,steps_per_execution", [(False, 1), (True, 1), (False, 3),
                                                               (True, 3)])
 def test_a_second_fit_cannot_replay_the_first_fits_batches(jit_compile, steps_per_execution):
@@ -151,6 +154,7 @@ def test_skipped_batches_are_refused():
     plan.dataset(x, y, start_step=5, model=model)
 
 
+@pytest.mark.slow
 def test_batches_of_another_sampler_are_refused():
   x, y = toy_data()
   model = compile_(build())
@@ -167,6 +171,7 @@ def test_batches_of_another_sampler_are_refused():
 
 
 # --- 3. the count and the noise stream survive optimizer changes ----------------
+@pytest.mark.slow
 def test_recompile_with_a_fresh_optimizer_keeps_the_count_and_never_repeats_noise():
   # Zero inputs and no bias: the gradient is exactly 0, so each update is pure noise.
   x = np.zeros((N, 3), np.float32)
@@ -191,6 +196,7 @@ def test_recompile_with_a_fresh_optimizer_keeps_the_count_and_never_repeats_nois
   assert not np.allclose(second_stage, w3 - w0, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_load_weights_before_the_optimizer_exists_restores_the_count(tmp_path):
   x, y = toy_data()
   plan = plan_()
@@ -210,6 +216,7 @@ def test_load_weights_before_the_optimizer_exists_restores_the_count(tmp_path):
   assert plan.report(fresh).epsilon > plan.epsilon(5)
 
 
+@pytest.mark.slow
 def test_keras_file_round_trip_keeps_the_ledger(tmp_path):
   x, y = toy_data()
   plan = plan_("shuffle")
@@ -262,6 +269,7 @@ def test_less_noise_than_planned_cannot_be_reported():
     plan.report(model)
 
 
+@pytest.mark.slow
 def test_a_user_fixed_noise_seed_is_said_in_the_report():
   x, y = toy_data()
   plan = plan_()
@@ -273,6 +281,7 @@ def test_a_user_fixed_noise_seed_is_said_in_the_report():
   assert not any("seed" in n for n in plan.report(private).notes)
 
 
+@pytest.mark.slow
 def test_default_noise_is_os_random_and_its_key_is_never_saved(tmp_path):
   x, y = toy_data()
   plan = plan_("uniform")

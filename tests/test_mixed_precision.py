@@ -85,6 +85,7 @@ def flat(tensors):
 
 
 # --- (1) compile + fit -------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nsgd", "sgd"])
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 @pytest.mark.parametrize("policy", POLICIES)
@@ -109,6 +110,7 @@ def test_fit_runs_under_mixed_policy(policy, engine, kind):
 MAGNITUDES = np.array([1.0, 1.0, 1e2, 1e4, 1e6, 1.0], np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nsgd", "sgd"])
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 @pytest.mark.parametrize("policy", POLICIES)
@@ -150,6 +152,7 @@ def test_each_contribution_respects_the_bound(policy, engine, kind):
 
 
 # --- (3) with noise 0, the step equals the float32 policy's step up to 16-bit rounding --------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nsgd", "sgd"])
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 @pytest.mark.parametrize("policy", POLICIES)
@@ -169,6 +172,7 @@ def test_step_matches_float32(policy, engine, kind):
   assert np.linalg.norm(deltas[policy] - reference) <= tol * bound
 
 
+@pytest.mark.slow
 def test_chunked_step_matches_float32_under_float16():
   _, weights = float32_weights()
   x, y = data(8, seed=3)
@@ -186,6 +190,7 @@ def test_chunked_step_matches_float32_under_float16():
 
 
 # --- (4) no data-dependent state: fixed scale, no skipped step ---------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_no_state_depends_on_the_data(engine):
   _, weights = float32_weights()
@@ -274,6 +279,7 @@ def build_text(policy, weights=None):
   return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_layerwise_norm_and_embedding_rules_match_float32(policy):
   weights = trainable(build_text("float32"))

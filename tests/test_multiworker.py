@@ -25,6 +25,9 @@ import pytest
 
 import dist_checks
 
+# two worker processes and a reference process (about 1 min)
+pytestmark = pytest.mark.slow
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "dist_script.py")
 TIMEOUT_S = 300
 

@@ -47,6 +47,7 @@ def compile_(m, **opt):
   return m
 
 
+@pytest.mark.slow
 def test_one_call_matches_the_explicit_plan_and_reports_what_ran():
   x, y = data()
   m = compile_(private())
@@ -67,6 +68,7 @@ def test_one_call_matches_the_explicit_plan_and_reports_what_ran():
   assert m.predict(x, verbose=0).shape == (N, 2)
 
 
+@pytest.mark.slow
 def test_a_second_fit_at_the_budget_is_refused():
   x, y = data()
   m = compile_(private(epochs=1))
@@ -77,6 +79,7 @@ def test_a_second_fit_at_the_budget_is_refused():
   assert m.privacy_ledger.steps == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs,match", [
     ({"batch_size": 32}, r"batch_size=32.*batches of 10"),
     ({"epochs": 5}, r"epochs=5.*2 epochs"),
@@ -91,6 +94,7 @@ def test_fit_arguments_that_disagree_with_the_plan_are_refused(kwargs, match):
   assert m.privacy_ledger.steps == 0
 
 
+@pytest.mark.slow
 def test_a_batched_foreign_dataset_is_refused_an_unbatched_one_is_sampled():
   x, y = data()
   m = compile_(private())
@@ -100,6 +104,7 @@ def test_a_batched_foreign_dataset_is_refused_an_unbatched_one_is_sampled():
   assert m.privacy_ledger.steps == 12 and m.privacy_plan.dataset_size == N
 
 
+@pytest.mark.slow
 def test_batches_of_the_models_own_plan_pass_through_the_explicit_path():
   x, y = data()
   m = compile_(private(dataset_size=N))
@@ -109,6 +114,7 @@ def test_batches_of_the_models_own_plan_pass_through_the_explicit_path():
   assert m.privacy_ledger.steps == 12
 
 
+@pytest.mark.slow
 def test_a_noise_multiplier_that_disagrees_with_the_plan_is_refused():
   m = private(dataset_size=N)
   with pytest.raises(ValueError, match="differs from the model's privacy plan"):

@@ -120,6 +120,7 @@ def _normalized_mean_gradient(model, x, y, r):
   return [t / len(x) for t in total]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", BUILTINS)
 def test_every_builtin_optimizer_made_private_equals_its_twin_on_normalized_gradients(make):
   x, y = _toy()
@@ -140,6 +141,7 @@ def test_every_builtin_optimizer_made_private_equals_its_twin_on_normalized_grad
   assert int(private.optimizer.iterations.numpy()) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", BUILTINS)
 def test_every_builtin_optimizer_trains_privately_and_round_trips(make, tmp_path):
   x, y = _toy()
@@ -182,6 +184,7 @@ def test_num_microbatches_on_the_optimizer_is_deprecated():
     tf_dpnsgd.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=2)
 
 
+@pytest.mark.slow
 def test_num_microbatches_on_the_model_equals_the_deprecated_optimizer_keyword():
   x, y = _toy()
   results = []

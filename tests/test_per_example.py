@@ -97,6 +97,7 @@ def test_microbatches_must_divide_batch():
                       transforms.Clip(1.0), num_microbatches=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["conv", "embedding"])
 def test_chunked_train_step_matches_unchunked(name):
   """physical_batch_size gives the same update as one big batch (noise 0)."""

@@ -31,6 +31,7 @@ def test_plan_with_sigma_and_epochs():
   assert ledger.get_epsilon(1e-5) == pytest.approx(report.epsilon, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling_name,kwargs", [
     ("poisson", {}), ("shuffle", {"accountant": "pld"}),
     ("uniform", {"bound": "min", "conversion": "classic"})])

@@ -78,6 +78,7 @@ def test_steps_from_epochs_is_floor(parse, capsys):
   assert json.loads(out.out)["steps"] == 673
 
 
+@pytest.mark.slow
 def test_target_epsilon_calibrates(parse, capsys):
   out = run_main(parse, CIFAR + ["--target_epsilon=2", "--sampling=poisson",
                                  "--conversion=classic", "--json"], capsys)
@@ -131,6 +132,7 @@ def test_flags_require_exactly_one_of_each_pair(parse):
     parse(CIFAR + ["--noise_multiplier=1", "--sampling=bootstrap"])
 
 
+@pytest.mark.slow
 def test_module_runs_as_a_program():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   ok = subprocess.run(

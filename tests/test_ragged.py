@@ -74,6 +74,7 @@ def private(base, per_example, **kwargs):
   return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["microbatch", "auto"])
 def test_one_step_on_ragged_ids_is_the_single_example_loop(engine):
   x, y = ragged_ids(), labels(6)
@@ -106,6 +107,7 @@ def test_masked_rows_and_physical_chunks_on_ragged_ids():
     np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_plan_dataset_and_one_call_fit_on_ragged_ids():
   """The plan's Poisson batches of ragged rows are the rows its sampler drew; the one-call
   path trains on them and counts the steps."""
@@ -146,6 +148,7 @@ def test_layerwise_and_vectorized_refuse_ragged_ids_before_any_update(engine, er
   assert int(model.privacy_ledger.steps) == 0
 
 
+@pytest.mark.slow
 def test_interaction_probe_sees_ragged_rows():
   """Rows that differ only in length ([a, b] vs [a, b, 0]) are different examples; a model
   that centres a ragged batch by its mean is refused before any update."""

@@ -78,6 +78,7 @@ def test_markers_and_first_block():
   assert BLOCKS[0][2], "the README's first code block must be marked runnable"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,code", RUNNABLE, ids=[f"README.md:{line}" for line, _ in RUNNABLE])
 def test_runnable_block(line, code):
   namespace = {"__name__": "__readme__"}

@@ -32,6 +32,7 @@ def private_record(**changes):
   return RunRecord.from_privacy_report(calibrated_report(), **{**RUN, **changes})
 
 
+@pytest.mark.slow
 def test_private_record_round_trip_keeps_the_flat_keys():
   record = private_record()
   d = strict(record.to_json())

@@ -225,6 +225,7 @@ def _one_step(batch, seed=0):
   return [w.numpy() for w in model.trainable_weights]
 
 
+@pytest.mark.slow
 def test_padded_rows_contribute_exactly_zero():
   n, b = 60, 12
   x, y = toy_data(n)

@@ -146,6 +146,7 @@ def test_translation_by_the_subsampling_step_shifts_the_maps():
   assert np.abs(b[1:, 1:] - a[1:, 1:]).max() > 0.1 * np.abs(a).max()  # not trivially equal
 
 
+@pytest.mark.slow
 def test_channels_are_colour_major_and_independent():
   x = np.random.default_rng(1).uniform(0, 255, [1, 32, 32, 3]).astype(np.float32)
   layer = sc.Scattering2D()

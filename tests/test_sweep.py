@@ -204,6 +204,7 @@ def write_dp_and_sgd_cells(opts, cells):
     write_cell(opts, cell, record)
 
 
+@pytest.mark.slow
 def test_a_sweep_with_a_non_private_cell_is_not_private_as_a_whole(tmp_path):
   """Issue 19, scenario 10: a grid optimizer=dpnsgd,sgd used to print "Whole sweep: 2 runs
   released, naive composition epsilon ..." although the sgd runs, trained on the same data
@@ -265,6 +266,7 @@ def test_a_sweep_with_a_non_private_cell_is_not_private_as_a_whole(tmp_path):
   assert not heatmap_title(summary["heatmaps"][0]).endswith(sweeps.figures.NOT_PRIVATE_SUFFIX)
 
 
+@pytest.mark.slow
 def test_sweep_curves_show_test_metrics_unless_training_metrics_are_asked_for(tmp_path):
   """Issue 19, scenario 13: the training loss/accuracy in a cell's history are exact,
   unprivatized training-set metrics; curves.png draws only val_* unless
@@ -316,6 +318,7 @@ def test_heatmap_annotations_and_image(tmp_path):
 # ---------------------------------------------------------------------------
 # End to end: 2x2 grid of the MNIST launcher, results, figures, report, resume; dry run.
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_end_to_end_and_resume(tmp_path):
   data = write_tiny_mnist(tmp_path / "tiny.npz")
   sweep_dir = tmp_path / "sweep"
@@ -428,6 +431,7 @@ def test_sgd_cells_drop_the_fixed_privacy_flags_and_refuse_privacy_axes():
   sweeps.check_cells(opts, sweeps.expand_grid(axes))  # fine: conditioned on the private cells
 
 
+@pytest.mark.slow
 def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
   args = ["--base=quickstart", "--fixed=epochs=2", "--grid=optimizer=dpnsgd,sgd", "--dry_run"]
   out = run_sweep(*args, f"--sweep_dir={tmp_path}/dry")
@@ -447,6 +451,7 @@ def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
     assert "FATAL sweep error" in proc.stderr and message in proc.stderr
 
 
+@pytest.mark.slow
 def test_sweep_with_a_non_private_cell(tmp_path):
   """A real 2-cell sweep, DP-NSGD and the sgd baseline: results, report (strict JSON),
   heatmaps and summary handle the non-private cell; cell logs hold no seed."""

@@ -140,6 +140,7 @@ def fit_private_text(preset, batch_size=8, steps=2):
   }
 
 
+@pytest.mark.slow
 def test_make_private_fits_tiny_bert_with_dpnsgd(bert_preset):
   # With oneDNN on (TF's CPU default), per-example gradients of keras
   # MultiHeadAttention under tf.vectorized_map crash the process (segfault or

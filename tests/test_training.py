@@ -92,6 +92,7 @@ def test_sample_weight_rejected():
     model.fit(x, y, sample_weight=np.ones(8), verbose=0)
 
 
+@pytest.mark.slow
 def test_learns_separable_data_with_noise():
   x, y = data(2048, seed=5)
   model = tf_dpnsgd.make_private(mlp(seed=2))
@@ -105,6 +106,7 @@ def test_learns_separable_data_with_noise():
   assert model.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_nan_example_contributes_zero_and_is_counted():
   x, y = data(8)
   x_bad = x.copy()
@@ -124,6 +126,7 @@ def test_nan_example_contributes_zero_and_is_counted():
   assert np.isfinite(results[0][1]["loss"][0])
 
 
+@pytest.mark.slow
 def test_same_seed_is_reproducible_and_noise_matters():
   x, y = data(64)
   weights = []
@@ -146,6 +149,7 @@ def _compiled(seed=0):
   return model
 
 
+@pytest.mark.slow
 def test_save_load_keeps_optimizer_and_resume_continues_noise_stream(tmp_path):
   x, y = data(32)
   straight = _compiled()
@@ -167,6 +171,7 @@ def test_save_load_keeps_optimizer_and_resume_continues_noise_stream(tmp_path):
   assert loaded.privacy_ledger.steps == 8
 
 
+@pytest.mark.slow
 def test_checkpoint_callback_resume(tmp_path):
   """ModelCheckpoint (weights + optimizer) then restore: the privacy ledger comes back."""
   x, y = data(32)
@@ -184,6 +189,7 @@ def test_checkpoint_callback_resume(tmp_path):
   assert keras.models.load_model(path).privacy_ledger.steps == 4
 
 
+@pytest.mark.slow
 def test_tf_data_and_sequential_and_subclassed():
   x, y = data(32)
   ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
@@ -212,6 +218,7 @@ def test_tf_data_and_sequential_and_subclassed():
     assert any(not np.allclose(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.slow
 def test_weight_regularizer_gradient_added_after_noise():
   x, y = data(8)
   models = []
@@ -229,6 +236,7 @@ def test_weight_regularizer_gradient_added_after_noise():
   np.testing.assert_allclose(w_reg, w_plain - 0.1 * 2 * 0.1 * w0, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resnet20_has_paper_size_and_trains():
   base = tf_dpnsgd.models.resnet20()
   assert 260_000 < base.count_params() < 280_000
@@ -241,6 +249,7 @@ def test_resnet20_has_paper_size_and_trains():
   assert np.isfinite(hist.history["loss"][0])
 
 
+@pytest.mark.slow
 def test_padded_rows_do_not_count_in_metrics_or_loss():
   """Poisson batches carry padding rows: metrics and loss cover the real rows only."""
   x, y = data(16)

@@ -30,6 +30,9 @@ import tf_dpnsgd
 from tf_dpnsgd import optimizers as optimizers_lib
 from tf_dpnsgd.plan import PrivacyPlan
 
+# XLA compiles of ResNet20-GN and a transformer (seconds to a minute each)
+pytestmark = pytest.mark.slow
+
 XENT = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 STEPS = 2
 RTOL = 1e-5  # on the weights, relative (float32 round-off of a different op order)
