@@ -124,9 +124,9 @@ if MODE == "worker":
       m.build((None, 5))
     return m
 
-  def refusal(model, plan, **kw):
+  def refusal(trained, plan, **kw):
     try:
-      model.fit(plan.dataset(x, y, **kw), steps_per_epoch=1, epochs=1, verbose=0)
+      trained.fit(plan.dataset(x, y, **kw), steps_per_epoch=1, epochs=1, verbose=0)
       return ""
     except ValueError as e:
       return str(e)

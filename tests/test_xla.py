@@ -183,11 +183,14 @@ SEED = 20240601
 
 
 def oracle_noise(step, shapes, jit_compile):
-  """The step's N(0, 1) draws, from the seed and the ledger step with TF's own ops."""
+  """The step's N(0, 1) draws, from the seed and the ledger's (generation 0, step) with TF's
+  own ops (a user-fixed seed leaves the lineage out of the key: tf_dpnsgd.ledger)."""
 
   def draws():
     base = tf.constant([SEED, optimizers_lib._NOISE_TAG], tf.int64)
-    step_seed = tf.random.experimental.stateless_fold_in(base, tf.constant(step, tf.int64))
+    generation = tf.random.experimental.stateless_fold_in(base, tf.constant(0, tf.int64))
+    step_seed = tf.random.experimental.stateless_fold_in(generation,
+                                                         tf.constant(step, tf.int64))
     return [tf.random.stateless_normal(shape, tf.random.experimental.stateless_fold_in(
         step_seed, k)) for k, shape in enumerate(shapes)]
 
