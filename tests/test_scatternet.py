@@ -18,9 +18,10 @@ def _pixels(n, seed=0):
   return np.random.default_rng(seed).integers(0, 256, (n, 32, 32, 3)).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_extractor_is_scattering_of_normalized_pixels_then_per_example_groupnorm():
   x = _pixels(3)
-  features = scatternet.scattering_extractor(groups=27)(x).numpy()
+  features = scatternet.scattering_extractor(groups=27, float16_features=False)(x).numpy()
   assert features.shape == (3, 8, 8, 243)
   # Oracle: ImageNet normalization, the transform, then group statistics in NumPy.
   mean, std = np.array(scatternet.IMAGENET_MEAN), np.array(scatternet.IMAGENET_STD)
@@ -32,9 +33,20 @@ def test_extractor_is_scattering_of_normalized_pixels_then_per_example_groupnorm
   np.testing.assert_allclose(features, expected, atol=2e-4)
 
 
+@pytest.mark.slow
+def test_extractor_rounds_to_float16_values_by_default():
+  x = _pixels(2, seed=4)
+  exact = scatternet.scattering_extractor(float16_features=False)(x).numpy()
+  rounded = scatternet.scattering_extractor()(x).numpy()
+  assert rounded.dtype == np.float32
+  np.testing.assert_array_equal(rounded, exact.astype(np.float16).astype(np.float32))
+  assert 0 < np.abs(rounded - exact).max() <= 2.0**-11 * np.abs(exact).max()
+
+
+@pytest.mark.slow
 def test_extractor_has_no_weights_and_mixes_no_examples():
-  extractor = scatternet.scattering_extractor()
-  assert not extractor.weights
+  extractor = scatternet.scattering_extractor(float16_features=False)
+  assert not extractor.weights and not scatternet.scattering_extractor().weights
   x = _pixels(4, seed=1)
   together = extractor(x).numpy()
   for i in range(4):  # each example's features from that example alone
@@ -85,6 +97,7 @@ def test_layerwise_per_example_gradients_match_a_loop(head):
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_raw_pixel_model_shares_the_head_and_equals_the_composition():
   extractor = scatternet.scattering_extractor()
   head = scatternet.scatter_linear()

@@ -82,19 +82,24 @@ def planned_dataset_size(flag_values) -> int:
 
 
 def pixels_to_float(dataset):
+  """Casts the inputs of a ``(x, y, ...)`` stream to float32 (uint8 pixels, float16
+  features)."""
   def cast(x, y, *rest):
     return (tf.cast(x, tf.float32), y) + tuple(rest)
   return dataset.map(cast)
 
 
-def extract_features(extractor, images, batch_size: int = 250, log_every: int = 10000):
-  """``extractor`` over ``images`` in batches, as a float32 NumPy array.
+def extract_features(extractor, images, batch_size: int = 250, log_every: int = 10000,
+                     dtype=np.float16):
+  """``extractor`` over ``images`` in batches, as a NumPy array of ``dtype`` (float16:
+  the extractor rounds its features to float16 values, see
+  :class:`~tf_dpnsgd.models.scatternet.RoundToFloat16`).
 
   Returns:
     ``(features, seconds)``.
   """
   fn = tf.function(lambda x: extractor(x, training=False), reduce_retracing=True)
-  out = np.empty((len(images),) + tuple(extractor.output_shape[1:]), np.float32)
+  out = np.empty((len(images),) + tuple(extractor.output_shape[1:]), dtype)
   start = time.time()
   for i in range(0, len(images), batch_size):
     out[i:i + batch_size] = fn(tf.constant(images[i:i + batch_size], tf.float32)).numpy()
@@ -115,7 +120,7 @@ def scattering_features(extractor, x_train, x_test, cache_dir):
     the extraction took.
   """
   settings = {"extractor": [layer.get_config() for layer in extractor.layers[1:]],
-              "algorithm": "tf_dpnsgd.models.scattering v1"}
+              "algorithm": "tf_dpnsgd.models.scattering v1", "dtype": "float16"}
   key = cache_lib.digest(x_train, x_test, settings=settings)
   timing = {}
 
@@ -212,8 +217,12 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
   extra = {"dataset": "cifar10", "model": FLAGS.model, "features": "scattering J=2 L=8 order 2",
            "feature_normalization": f"per-example GroupNorm ({groups} groups, no affine)",
            **info}
-  record = common.run_experiment(cfg, build_model, (f_train, y_train), (f_test, y_test),
-                                 loss=loss, export_fn=export_fn, extra_report=extra)
+  # Training features stay float16 in memory (the sampler holds a copy too); each batch
+  # becomes float32 in the input pipeline, exactly (they are float16 values).
+  record = common.run_experiment(cfg, build_model, (f_train, y_train),
+                                 (f_test.astype(np.float32), y_test), loss=loss,
+                                 export_fn=export_fn, augment_fn=pixels_to_float,
+                                 extra_report=extra)
   if cfg.export_dir and os.path.isdir(cfg.export_dir):
     accuracy = check_export(cfg.export_dir, x_test, y_test)
     print(f"export check: accuracy {accuracy:.4f} on raw test images "

@@ -1,0 +1,63 @@
+"""The CIFAR-10 launcher with --model=scatter_linear / scatter_cnn on a tiny image folder."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from test_cifar10_image_folder import write_image_folder
+from test_launch import launch
+from test_launch import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("scatter_linear_dpnsgd_eps3", "scatter_linear_dpsgd_eps3", "scatter_cnn_dpnsgd_eps3")
+TINY = ["--batch_size=20", "--physical_batch_size=10", "--epochs=2", "--max_steps=2",
+        "--max_test_examples=20"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS)
+def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path, config):
+  write_image_folder(tmp_path / "data", per_class=(6, 3))
+  run, export = tmp_path / "run", tmp_path / "export"
+  out = launch("tf_dpnsgd.launch.cifar10", f"--flagfile={ROOT}/configs/cifar10/{config}.flags",
+               f"--data_dir={tmp_path}/data", f"--model_dir={run}", f"--export_dir={export}",
+               f"--feature_cache_dir={tmp_path}/cache", *TINY)
+  rep = report(run)
+  assert rep["private"] and rep["sampling"] == "poisson" and rep["steps"] == 2
+  assert rep["dataset_size"] == 60 and rep["not_covered"] == []
+  assert rep["model"] == config.split("_dp")[0] and rep["feature_cache_hit"] is False
+  assert "GroupNorm" in rep["feature_normalization"]
+  with open(run / "export_check.json") as f:
+    check = json.load(f)
+  # The SavedModel on raw uint8 images predicts what the head on cached features did.
+  assert check["raw_pixel_test_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
+                                                           abs=1e-6)
+  assert "export check" in out.stdout
+
+  import tensorflow as tf
+  from tf_dpnsgd.data import cifar10
+  _, (x_test, _) = cifar10.load_cifar10(tmp_path / "data")
+  serve = tf.saved_model.load(str(export)).signatures["serving_uint8"]
+  probabilities = serve(images=tf.constant(x_test[:4]))["probabilities"].numpy()
+  np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+  # A second run (new model_dir) reads the features from the cache.
+  launch("tf_dpnsgd.launch.cifar10", f"--flagfile={ROOT}/configs/cifar10/{config}.flags",
+         f"--data_dir={tmp_path}/data", f"--model_dir={tmp_path}/run2",
+         f"--feature_cache_dir={tmp_path}/cache", *TINY)
+  assert report(tmp_path / "run2")["feature_cache_hit"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["--model=scatter_linear", "--augment"], "--augment needs --model=resnet20"),
+    (["--model=scatter_cnn", "--feature_groups=10"], "--feature_groups"),
+])
+def test_scatter_flag_errors_are_one_line(tmp_path, args, message):
+  write_image_folder(tmp_path / "data", per_class=(2, 1))
+  out = launch("tf_dpnsgd.launch.cifar10", f"--data_dir={tmp_path}/data", *args, *TINY,
+               check=False)
+  assert out.returncode != 0 and message in out.stderr
+  assert "Traceback" not in out.stderr and "FATAL" in out.stderr
