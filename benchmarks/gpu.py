@@ -173,7 +173,8 @@ def run_config(name, xla, precision, smoke, steps, warmup):
                                                noise_multiplier=1.0),
                     loss=loss, jit_compile=xla)
     names = {fn: n for n, fn in tf_dpnsgd.per_example.ENGINES.items()}
-    row["engine"] = names.get(private._dp_engine, "?")
+    engine = getattr(private._dp_engine, "dense_engine", private._dp_engine)  # auto's choice
+    row["engine"] = names.get(engine, "?")
     models["dp"] = private
   except Exception as exc:  # noqa: BLE001
     row["dp_error"] = classify(exc)
