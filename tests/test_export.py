@@ -33,7 +33,6 @@ def _trained_image_model():
   return model
 
 
-@pytest.mark.slow
 def test_image_export_matches_in_memory_model_on_raw_pixels(tmp_path):
   model = _trained_image_model()
   export_dir = export.export_image_classifier(model, tmp_path / "cifar", MEAN, STD)
