@@ -127,6 +127,9 @@ def _check_workers(strategy, ledger, summary) -> None:
   if not distribution.is_multi_worker(strategy):
     return
   distribution.check_same_on_all_workers(strategy, ledger.steps, "privacy ledger step")
+  distribution.check_same_on_all_workers(strategy, ledger.lineage, "privacy ledger lineage")
+  distribution.check_same_on_all_workers(strategy, ledger.noise_generation,
+                                         "privacy ledger noise generation")
   distribution.check_same_on_all_workers(strategy, summary.seed_min if summary.tagged else 0,
                                          "sampler seed (hash)")
 

@@ -276,6 +276,17 @@ class PrivacyLedger(keras.layers.Layer):
     self.sync()
     self._host_write("flags", self.flags | int(bits))
 
+  def adopt_lineage(self, lineage: int) -> None:
+    """Takes ``lineage`` (worker 0's, under a multi-worker strategy) if no step ran yet.
+
+    The lineage keys the noise: workers with different lineages would add
+    independent draws that the all-reduce averages (noise ``sqrt(workers)``
+    times too small). A ledger that already ran keeps its own; the guard then
+    refuses workers whose lineages differ.
+    """
+    if self.steps == 0 and int(lineage) != self.lineage:
+      self._host_write("lineage", int(lineage))
+
   def _host_write(self, name: str, value) -> None:
     self.sync()  # first take notice of any restore, so the write cannot hide it
     self._vars[name].assign(value)

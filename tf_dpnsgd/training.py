@@ -370,6 +370,9 @@ class _DPTrainer:
           self.optimizer.build(self.trainable_variables)
       if distribution.is_multi_worker(self.distribute_strategy):
         _share_noise_key(self.optimizer, self.distribute_strategy)
+        # The lineage keys the noise too: every worker takes worker 0's (a collective).
+        self.privacy_ledger.adopt_lineage(
+            distribution.broadcast_int(self.distribute_strategy, self.privacy_ledger.lineage))
       super().make_train_function(force=True)
       self.train_function = guard_lib.wrap(self, self.train_function)
     return self.train_function
