@@ -52,8 +52,6 @@ LONG_MODULES = {
                              "share one mixin's state and are checked together",
     "tf_dpnsgd/optimizers.py": "the wrapper and the four named optimizers share one "
                                "__init__/get_config contract that must stay in step",
-    "tf_dpnsgd/launch/common.py": "each shared flag, its validator and its use in the one "
-                                  "training loop of all launchers are read in one place",
     "tf_dpnsgd/per_example/factored.py": "each gradient representation keeps its norm, its "
                                          "rounding bound and its float64 recomputation together",
 }

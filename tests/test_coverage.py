@@ -326,8 +326,8 @@ def test_steering_callbacks_are_named_and_observers_are_not(tmp_path):
 
 
 def test_the_launchers_own_callbacks_do_not_steer():
-  from tf_dpnsgd.launch import common
-  ours = [common._EpochRecorder(None, {}), common._StopAtStep(3), common.StepProgbar(0, 3)]
+  from tf_dpnsgd import runner
+  ours = [runner.EpochRecorder(None, {}), runner.StopAtStep(3), runner.StepProgbar(0, 3)]
   assert coverage.steering_callbacks(ours) == []
 
 

@@ -152,6 +152,27 @@ def test_keyword_mistakes_fail_at_make_private():
     tf_dpnsgd.make_private(mlp(), plan=plan, target_epsilon=1.0)
 
 
+def test_a_plan_alone_is_owned_and_its_privacy_callback_can_be_the_callers(tmp_path):
+  """make_private(model, plan=plan) (the launchers' one-call path; the default sampling and
+  accountant keywords once counted as 'both given'); a budget-stopping PrivacyCallback of
+  that plan among fit's callbacks (with a state file) replaces the default one, any other
+  is added to it."""
+  from tf_dpnsgd import owned_plan
+  from tf_dpnsgd.callbacks import PrivacyCallback
+  plan = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", steps=3,
+                               noise_multiplier=1.0, delta=1e-5)
+  m = tf_dpnsgd.make_private(mlp(), plan=plan)
+  assert m.privacy_plan is plan
+  x, y = data()
+  mine = plan.callbacks(state_path=str(tmp_path / "state.json"))
+  args = owned_plan.fit_arguments(m, {"x": x, "y": y, "callbacks": mine})
+  assert [c for c in args["callbacks"] if isinstance(c, PrivacyCallback)] == mine
+  logging_only = plan.callbacks(stop_at_budget=False)
+  args = owned_plan.fit_arguments(m, {"x": x, "y": y, "callbacks": logging_only})
+  budgets = [c.epsilon_budget for c in args["callbacks"] if isinstance(c, PrivacyCallback)]
+  assert len(budgets) == 2 and budgets[1] is None and budgets[0] == pytest.approx(plan.epsilon())
+
+
 @pytest.mark.slow
 def test_cifar_shaped_images_dicts_and_a_keras_file_round_trip(tmp_path):
   x, y = data(40, shape=(32, 32, 3))

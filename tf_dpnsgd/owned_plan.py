@@ -17,6 +17,10 @@ by the package, not by hand:
   came from ``plan.dataset`` (the explicit path, passed through unchanged);
 * ``model.privacy_report()`` is the report of what the ledger executed.
 
+A :class:`~tf_dpnsgd.callbacks.PrivacyCallback` of the model's plan among
+``fit``'s callbacks (``model.privacy_plan.callbacks(log_dir=..., state_path=...)``)
+replaces the default one, if it stops at the budget too.
+
 ``N`` (the dataset size) is taken from the first ``fit`` unless given; the
 noise multiplier is calibrated then (for ``target_epsilon``), and a later
 ``fit`` on a different number of examples is refused (the plan is for one
@@ -32,6 +36,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import plan as plan_lib
 
@@ -199,8 +204,16 @@ def fit_arguments(model, arguments: dict) -> dict:
   args.update(fit_kwargs)
   args["x"] = plan.dataset(x, y, model=model)
   args["shuffle"] = False  # the sampler draws the batches
-  args["callbacks"] = plan.callbacks() + user_callbacks
+  args["callbacks"] = ([] if _has_privacy_callback(user_callbacks, plan) else plan.callbacks()) \
+      + user_callbacks
   return args
+
+
+def _has_privacy_callback(callbacks, plan) -> bool:
+  """Whether ``callbacks`` hold a budget-stopping PrivacyCallback of ``plan`` (e.g.
+  ``plan.callbacks(log_dir=..., state_path=...)``): it replaces the default one."""
+  return any(isinstance(c, callbacks_lib.PrivacyCallback) and c.plan == plan
+             and c.epsilon_budget is not None for c in callbacks)
 
 
 def _check_against_plan(plan, args, model) -> None:

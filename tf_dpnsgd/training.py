@@ -615,7 +615,7 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
 def make_private(model: keras.Model, per_example="auto", physical_batch_size=None,
                  num_microbatches=None, trust_untagged_batches=False, public_state=(), *,
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
-                 epochs=None, steps=None, sampling="poisson", accountant="rdp",
+                 epochs=None, steps=None, sampling=None, accountant=None,
                  dataset_size=None, plan=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
@@ -646,9 +646,10 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       ``Normalization``) the user declares public; listed by the report.
     target_epsilon / noise_multiplier, delta, batch_size, epochs / steps,
       sampling, accountant, dataset_size: the privacy plan the model owns
-      (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``dataset_size``
-      defaults to the number of examples of the first ``fit``). Or ``plan=``
-      a ``PrivacyPlan``. Without them the model owns no plan (the explicit
+      (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``sampling``
+      defaults to ``"poisson"``, ``accountant`` to ``"rdp"``, ``dataset_size``
+      to the number of examples of the first ``fit``). Or ``plan=`` a
+      ``PrivacyPlan`` (then none of these). Without them the model owns no plan (the explicit
       path: ``plan.dataset``, ``plan.callbacks()``, ``plan.fit_kwargs``).
 
   Raises:

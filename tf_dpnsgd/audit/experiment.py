@@ -10,7 +10,8 @@ and calls it, and the test suite calls it directly):
    :class:`~tf_dpnsgd.plan.PrivacyPlan` for the resulting ``N`` (its
    sampler draws the batches, so canaries are Poisson-sampled like any row);
 3. train with the DP model, optimizer, dataset and callbacks of the plan,
-   exactly as a user would (no step is bypassed);
+   exactly as a user would (no step is bypassed), through the launchers' own
+   runner (:func:`tf_dpnsgd.runner.build`, :func:`tf_dpnsgd.runner.fit`);
 4. the claimed epsilon is ``plan.report(model).epsilon``: what the package
    would print for this model, from its privacy ledger;
 5. score all ``m`` canaries on the final model and audit the scores
@@ -26,7 +27,6 @@ sampler.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 from typing import Callable, Optional, Sequence
@@ -36,6 +36,7 @@ import numpy as np
 
 import tf_dpnsgd
 from tf_dpnsgd import accounting
+from tf_dpnsgd import runner
 from tf_dpnsgd import sampling as sampling_lib
 from tf_dpnsgd.audit import auditor as auditor_lib
 from tf_dpnsgd.audit import canaries as canaries_lib
@@ -191,21 +192,6 @@ class AuditReport:
     return out
 
 
-def _fit_kwargs_without_plan(num_steps: int, steps_per_epoch: int) -> dict:
-  spe = max(1, min(steps_per_epoch, num_steps))
-  return {"epochs": math.ceil(num_steps / spe), "steps_per_epoch": spe, "initial_epoch": 0}
-
-
-class _StopAfter(keras.callbacks.Callback):
-  def __init__(self, steps):
-    super().__init__()
-    self.steps = steps
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.privacy_ledger.steps >= self.steps:
-      self.model.stop_training = True
-
-
 def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, num_classes: int,
                      canary_kind: str, num_canaries: int,
                      make_optimizer: Callable[[float], keras.optimizers.Optimizer],
@@ -294,36 +280,24 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
                        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                        accountant=accountant, conversion=conversion, seed=sampler_seed)
     num_steps, sigma = plan.num_steps, plan.training_noise_multiplier
+    sampler = None
 
-  model = tf_dpnsgd.make_private(audited, per_example=per_example,
-                                 physical_batch_size=physical_batch_size)
   optimizer = make_optimizer(sigma)
-  model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+  _, model = runner.build(lambda: audited, optimizer, loss=LOSS, metrics=["accuracy"],
+                          plan=plan, per_example=per_example,
+                          physical_batch_size=physical_batch_size)
   initial_table = (canaries_lib.dirac_table(model).copy() if canary_kind == "gradient" else None)
   log(f"audit: {canary_kind} canaries, m={num_canaries} ({int(included.sum())} in), N={n}, "
       f"B={batch_size}, {num_steps} steps, sigma={sigma:.4g}, {type(optimizer).__name__}")
 
-  start = time.perf_counter()
-  if plan is not None:
-    plan.check_optimizer(optimizer)
-    data = plan.dataset(x, y, model=model)
-    model.fit(data, callbacks=plan.callbacks() + list(callbacks), verbose=verbose,
-              **plan.fit_kwargs(model))
-  else:
-    data = sampler.dataset(x, y, start_step=0)
-    model.fit(data, callbacks=[_StopAfter(num_steps)] + list(callbacks), verbose=verbose,
-              **_fit_kwargs_without_plan(num_steps, sampler.steps_per_epoch))
-  # Release the generator-backed stream now, not at interpreter shutdown (where TF logs
-  # "Error occurred when finalizing GeneratorDataset iterator").
-  del data
-  gc.collect()
-  train_seconds = time.perf_counter() - start
-  steps_taken = model.privacy_ledger.steps
+  trained = runner.fit(model, x, y, total_steps=num_steps, plan=plan, sampler=sampler,
+                       stop_after=None if plan is not None else num_steps,
+                       callbacks=callbacks, verbose=verbose)
+  train_seconds, steps_taken = trained.seconds, trained.steps
   privacy = None
   claimed = math.inf
-  if plan is not None:
-    report = plan.report(model)
-    privacy, claimed = report.to_dict(), float(report.epsilon)
+  if trained.report is not None:
+    privacy, claimed = trained.report.to_dict(), float(trained.report.epsilon)
 
   # Scores of all m canaries (in and out) on the final model, then the bound.
   start = time.perf_counter()

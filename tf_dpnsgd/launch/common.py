@@ -1,9 +1,5 @@
 """Shared machinery of the absl launchers: flags, one run of an experiment, its records.
 
-This module is long (about 740 lines): the shared flags with their validators, the
-config they build and the one training loop all launchers run are kept together, so a
-flag, its check and its use can be read in one place.
-
 Flags are defined and read here and in the launcher modules only; the library
 below takes plain arguments. :func:`run_experiment` takes an
 :class:`ExperimentConfig` (a frozen dataclass built from the flags by
@@ -42,7 +38,6 @@ launcher's default ``--target_epsilon``.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -57,6 +52,7 @@ import tf_dpnsgd
 from tf_dpnsgd import distribution
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd import runner
 from tf_dpnsgd import schedules
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.records import RunRecord
@@ -433,21 +429,6 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
   return tf_dpnsgd.DPNAdam(regularizer=cfg.regularizer, **private)
 
 
-def make_strategy(cfg: ExperimentConfig):
-  """The ``tf.distribute`` strategy of ``--distribution_strategy`` (see docs/distributed.md)."""
-  import tensorflow as tf  # local: keep module import light
-  if cfg.distribution_strategy == "mirrored":
-    return tf.distribute.MirroredStrategy()
-  if cfg.distribution_strategy == "multi_worker":
-    return tf.distribute.MultiWorkerMirroredStrategy()
-  if cfg.distribution_strategy == "tpu":
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=cfg.tpu)
-    tf.config.experimental_connect_to_cluster(resolver)
-    tf.tpu.experimental.initialize_tpu_system(resolver)
-    return tf.distribute.TPUStrategy(resolver)
-  return tf.distribute.get_strategy()
-
-
 def make_plan(cfg: ExperimentConfig, dataset_size: int,
               sampler_seed: Optional[int] = None) -> Optional[PrivacyPlan]:
   """The privacy plan (validates B <= N, delta, the sampling/accountant pair); None for sgd.
@@ -470,61 +451,6 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
     raise LaunchError(str(e)) from None
 
 
-def public_plan(plan: PrivacyPlan) -> dict:
-  """The plan's fields without the sampler seed (what may be logged or recorded)."""
-  if hasattr(plan, "public_dict"):
-    return plan.public_dict()
-  return {k: v for k, v in plan.to_dict().items() if k != "seed"}
-
-
-class _EpochRecorder(keras.callbacks.Callback):
-  """Adds ``learning_rate`` to the logs and appends each epoch to ``history.json``.
-
-  ``history.json`` holds the exact (unprivatized) training loss and accuracy: keep
-  ``model_dir`` private (tf_dpnsgd.coverage.steering_callbacks)."""
-
-  dp_observes_only = True  # records; never changes training
-
-  def __init__(self, path: Optional[str], history: dict, print_fn=None):
-    super().__init__()
-    self.path, self.history, self.print_fn = path, history, print_fn
-
-  def on_epoch_end(self, epoch, logs=None):
-    logs = logs if logs is not None else {}
-    opt = self.model.optimizer
-    lr = opt.learning_rate
-    logs["learning_rate"] = float(lr(opt.iterations) if callable(lr) else
-                                  keras.ops.convert_to_numpy(lr))
-    logs["steps"] = steps_of(self.model)
-    self.history.setdefault("epoch", []).append(epoch + 1)
-    for k, v in logs.items():
-      self.history.setdefault(k, []).append(float(v))
-    if self.path:
-      with open(self.path, "w") as f:
-        json.dump(self.history, f, indent=1)
-    if self.print_fn:
-      self.print_fn(epoch + 1, logs)
-
-
-def steps_of(model) -> int:
-  """Steps taken: the privacy ledger's for a DP model, the optimizer's otherwise."""
-  if isinstance(getattr(model, "privacy_ledger", None), tf_dpnsgd.ledger.PrivacyLedger):
-    return model.privacy_ledger.steps
-  return int(model.optimizer.iterations.numpy())
-
-
-class _StopAtStep(keras.callbacks.Callback):
-  dp_observes_only = True  # stops at a public step count, not on a metric
-
-  def __init__(self, max_steps: int):
-    super().__init__()
-    self.max_steps = max_steps
-
-  def on_train_batch_end(self, batch, logs=None):
-    if steps_of(self.model) >= self.max_steps:
-      self.model.stop_training = True
-
-
 def _check_resume_point(plan: Optional[PrivacyPlan], start_step: int) -> None:
   """Refuses to resume a shuffle-sampled run mid-epoch (see the module docstring)."""
   if plan is None or plan.sampling != "shuffle" or start_step >= plan.num_steps:
@@ -539,55 +465,19 @@ def _check_resume_point(plan: Optional[PrivacyPlan], start_step: int) -> None:
         "epoch ends (--max_steps a multiple of the steps per epoch).")
 
 
-def _fit_only_steps_to_run(fit_kwargs: dict, total_steps: int) -> None:
-  """Trims ``fit_kwargs["epochs"]`` to the epochs that hold the steps that will run
-  (``--max_steps`` may stop long before the planned epochs)."""
-  spe = fit_kwargs["steps_per_epoch"]
-  needed = max(fit_kwargs.get("initial_epoch", 0) + 1, math.ceil(total_steps / spe))
-  fit_kwargs["epochs"] = min(fit_kwargs["epochs"], needed)
-
-
-class StepProgbar(keras.callbacks.ProgbarLogger):
-  """Keras' progress bar, counting the steps each epoch actually runs.
-
-  Keras sets the bar's target to ``steps_per_epoch`` and, when training stops
-  early (``--max_steps``, the privacy budget, a last partial epoch), still
-  finalizes the bar at that target: a 59-step run showed ``1052/1052``. Here
-  each epoch's target is ``min(steps_per_epoch, steps left)`` and the bar is
-  finalized at the steps run.
-  """
-
-  dp_observes_only = True  # displays; never changes training
-
-  def __init__(self, start_step: int, total_steps: int):
-    super().__init__()
-    self.steps_done, self.total_steps = int(start_step), int(total_steps)
-    self.steps_per_epoch = None
-
-  def set_params(self, params):
-    super().set_params(params)
-    self.steps_per_epoch = self.target
-
-  def on_epoch_begin(self, epoch, logs=None):
-    if self.steps_per_epoch is not None:
-      self.target = max(1, min(self.steps_per_epoch, self.total_steps - self.steps_done))
-    super().on_epoch_begin(epoch, logs)
-
-  def on_epoch_end(self, epoch, logs=None):
-    if self.target is not None and 0 < self.seen < self.target:
-      self.target = self.seen  # stopped early: show the steps that ran
-      if self.progbar is not None:
-        self.progbar.target = self.seen
-    self.steps_done += self.seen
-    super().on_epoch_end(epoch, logs)
-
-
 def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model],
                    train: tuple, test: tuple, loss, export_fn=None, metrics=("accuracy",),
                    augment_fn=None, extra_report: Optional[dict] = None,
                    print_fn: Optional[Callable[[int, dict], Any]] = None,
                    after_training: Optional[Callable] = None) -> dict:
   """Trains ``build_model()`` on ``train`` with DP (or SGD), evaluates on ``test``.
+
+  A private run on the default strategy takes the one-call path: the model owns
+  its plan (``make_private(model, plan=plan)``) and trains with a plain
+  ``fit(x, y, validation_data=test)``. A ``tf.distribute`` strategy, a
+  transformed batch stream (``augment_fn``) or ``--max_steps`` takes the explicit
+  one (``plan.dataset``, ``plan.callbacks``, ``plan.fit_kwargs`` cut to the steps
+  that run). Both run in :mod:`tf_dpnsgd.runner`.
 
   Args:
     cfg: the run's configuration.
@@ -610,7 +500,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   if cfg.export_dir and os.path.exists(cfg.export_dir):
     raise FileExistsError(f"--export_dir={cfg.export_dir} exists; choose a new one (an export "
                           "is never written over another). Checked before training.")
-  strategy = make_strategy(cfg)
+  strategy = runner.make_strategy(cfg.distribution_strategy, cfg.tpu)
   chief = distribution.is_chief(strategy)
   # A fresh OS sampler seed in every run and every resume; under several workers worker
   # 0's, shared, so that every worker draws the same batches.
@@ -627,20 +517,21 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   sigma = plan.training_noise_multiplier if plan else None
   if plan:
     logging.info("Privacy plan: %s; noise_multiplier=%.4f for %d planned steps.",
-                 json.dumps(public_plan(plan), sort_keys=True), sigma, planned_steps)
+                 json.dumps(plan.public_dict(), sort_keys=True), sigma, planned_steps)
 
   with strategy.scope():
-    base = build_model()
-    model = (tf_dpnsgd.make_private(base, per_example=cfg.per_example,
-                                    physical_batch_size=cfg.physical_batch_size)
-             if plan else base)
     optimizer = make_optimizer(cfg, sigma, planned_steps)
-    model.compile(optimizer=optimizer, loss=loss, metrics=list(metrics))
   if plan:
     try:
       plan.check_optimizer(optimizer)
     except ValueError as e:  # e.g. adaptive clipping's count noise too small for the batch
       raise LaunchError(str(e)) from None
+  own_plan = (bool(plan) and cfg.distribution_strategy == "none" and augment_fn is None
+              and not cfg.max_steps)  # else the explicit path (epochs cut to --max_steps)
+  base, model = runner.build(build_model, optimizer, loss=loss, metrics=metrics,
+                             private=cfg.private, plan=plan, own_plan=own_plan,
+                             strategy=strategy, per_example=cfg.per_example,
+                             physical_batch_size=cfg.physical_batch_size)
 
   history, ckpt, hist_path = {}, None, None
   start_step = 0
@@ -649,10 +540,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     ckpt = os.path.join(cfg.model_dir, "checkpoint.weights.h5")
     hist_path = os.path.join(cfg.model_dir, "history.json")
     if os.path.exists(ckpt):
-      with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-      model.load_weights(ckpt)  # restores the privacy ledger with the weights
-      start_step = steps_of(model)
+      start_step = runner.restore(model, ckpt, strategy)
       if os.path.exists(hist_path):
         with open(hist_path) as f:
           history = json.load(f)
@@ -661,43 +549,20 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   if not chief:  # only the chief writes (checkpoints, history, TensorBoard, reports, export)
     ckpt = hist_path = None
 
-  callbacks = []
   tb_dir = os.path.join(cfg.model_dir, "tensorboard") if cfg.model_dir and chief else None
-  if plan:
-    state = (os.path.join(cfg.model_dir, "privacy_state.json") if cfg.model_dir and chief
-             else None)
-    callbacks += plan.callbacks(log_dir=tb_dir, state_path=state)
-  callbacks.append(_EpochRecorder(hist_path, history, print_fn))
-  if cfg.max_steps:
-    callbacks.append(_StopAtStep(total_steps))
+  callbacks = [runner.EpochRecorder(hist_path, history, print_fn)]
   if ckpt:
     callbacks.append(keras.callbacks.ModelCheckpoint(ckpt, save_weights_only=True))
   if tb_dir:
     callbacks.append(keras.callbacks.TensorBoard(tb_dir, write_graph=False))
+  state = os.path.join(cfg.model_dir, "privacy_state.json") if cfg.model_dir and chief else None
+  trained = runner.fit(
+      model, x_train, y_train, total_steps=total_steps, plan=plan, batch_size=cfg.batch_size,
+      shuffle_seed=cfg.seed, stop_after=total_steps if cfg.max_steps else None,
+      callbacks=callbacks, privacy_log_dir=tb_dir, privacy_state_path=state,
+      validation_data=test, verbose=cfg.verbose, augment_fn=augment_fn,
+      progress_bar=bool(cfg.verbose))
 
-  if plan:
-    fit_kwargs = plan.fit_kwargs(model)
-    data = plan.dataset(x_train, y_train, model=model)
-  else:
-    spe = max(1, n // cfg.batch_size)
-    fit_kwargs = {"epochs": max(1, math.ceil(planned_steps / spe)), "steps_per_epoch": spe,
-                  "initial_epoch": start_step // spe}
-    import tensorflow as tf  # local: keep module import light
-    data = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-            .shuffle(n, seed=cfg.seed).repeat().batch(cfg.batch_size, drop_remainder=True))
-  if augment_fn is not None:
-    data = augment_fn(data)
-  _fit_only_steps_to_run(fit_kwargs, total_steps)
-  if cfg.verbose:  # after every callback that adds to the logs, like Keras' own
-    callbacks.append(StepProgbar(start_step, total_steps))
-  if start_step < total_steps:
-    model.fit(data, validation_data=test, callbacks=callbacks, verbose=cfg.verbose, **fit_kwargs)
-  # Release the generator-backed stream now, not at interpreter shutdown (where TF
-  # logs "Error occurred when finalizing GeneratorDataset iterator").
-  del data
-  gc.collect()
-
-  steps = steps_of(model)
   final = model.evaluate(*test, verbose=0, return_dict=True)
   run = {"hyperparameters": cfg.hyperparameters(),
          "final_metrics": {k: float(v) for k, v in final.items()},
@@ -706,9 +571,9 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   if after_training is not None:
     run["extra"].update(after_training(model, plan, run["final_metrics"]))
   if plan:
-    record = RunRecord.from_privacy_report(plan.report(model), noise_multiplier=sigma, **run)
+    record = RunRecord.from_privacy_report(trained.report, noise_multiplier=sigma, **run)
   else:  # no epsilon at all (JSON has no inf), and "private": false
-    record = RunRecord.non_private(steps=steps, dataset_size=n, **run)
+    record = RunRecord.non_private(steps=trained.steps, dataset_size=n, **run)
   if cfg.model_dir and chief:
     export_lib.write_privacy_report(os.path.join(cfg.model_dir, "privacy_report.json"),
                                     **record.to_dict())
@@ -726,11 +591,6 @@ def print_epoch(epoch: int, logs: dict) -> None:
   print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
         f"train acc {logs.get('accuracy', float('nan')):.4f}  "
         f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
-
-
-def epsilon_text(record: RunRecord) -> str:
-  """``"epsilon 3.999 (delta 1e-05)"`` or ``"non-private (no privacy guarantee)"`` for a run."""
-  return record.epsilon_text()
 
 
 def as_numpy_labels(y) -> np.ndarray:

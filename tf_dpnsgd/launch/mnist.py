@@ -16,6 +16,11 @@ experiment launchers applies (--optimizer=dpsgd --l2_norm_clip=1, ...);
 ``--audit_canaries=N`` audits the run (:mod:`tf_dpnsgd.launch.canary_audit`).
 The sweep (``python -m tf_dpnsgd.launch.sweep --base=mnist``) uses
 :func:`planned_dataset_size` for its ``--dry_run``.
+
+The model owns its privacy plan (``make_private(model, plan=...)``) and trains
+with a plain ``fit(x, y, validation_data=...)``, the one-call path
+(:mod:`tf_dpnsgd.runner`); ``--distribution_strategy`` or ``--max_steps`` takes the
+explicit one.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ Any flag of the experiment launchers applies (e.g. --optimizer=dpsgd
 --l2_norm_clip=1.0, --sampling=uniform, --target_epsilon=2). ``--audit_canaries=1000``
 audits the run (:mod:`tf_dpnsgd.launch.canary_audit`): it trains with 1,000
 canaries and prints two one-run lower bounds on epsilon next to the claim.
+
+The model owns its privacy plan (``make_private(model, plan=...)``) and trains
+with a plain ``fit(x, y, validation_data=...)``, the one-call path
+(:mod:`tf_dpnsgd.runner`); ``--distribution_strategy`` or ``--max_steps`` takes the
+explicit one.
 """
 
 from __future__ import annotations

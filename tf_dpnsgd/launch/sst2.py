@@ -11,6 +11,11 @@ Data: --data_dir with GLUE's SST-2 `train.tsv`/`dev.tsv`, else tfds
 ``--audit_canaries=N --audit_canary_kind=input`` audits the run with the last N
 training sentences relabeled as canaries (:mod:`tf_dpnsgd.launch.canary_audit`;
 the text models take two inputs, so the white-box kind is refused).
+
+The model owns its privacy plan (``make_private(model, plan=...)``) and trains
+with a plain ``fit(x, y, validation_data=...)``, the one-call path
+(:mod:`tf_dpnsgd.runner`); ``--distribution_strategy`` or ``--max_steps`` takes the
+explicit one.
 """
 
 from __future__ import annotations
