@@ -51,7 +51,8 @@ LONG_MODULES = {
     "tf_dpnsgd/training.py": "the DP train step, its Keras glue and the two model classes "
                              "share one mixin's state and are checked together",
     "tf_dpnsgd/optimizers.py": "the wrapper and the four named optimizers share one "
-                               "__init__/get_config contract that must stay in step",
+                               "__init__/get_config contract that must stay in step (the "
+                               "mechanism itself is in noise.py)",
     "tf_dpnsgd/per_example/factored.py": "each gradient representation keeps its norm, its "
                                          "rounding bound and its float64 recomputation together",
 }

@@ -27,7 +27,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpnsgd
-from tf_dpnsgd import optimizers as optimizers_lib
+from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd.plan import PrivacyPlan
 
 # XLA compiles of ResNet20-GN and a transformer (seconds to a minute each)
@@ -187,7 +187,7 @@ def oracle_noise(step, shapes, jit_compile):
   own ops (a user-fixed seed leaves the lineage out of the key: tf_dpnsgd.ledger)."""
 
   def draws():
-    base = tf.constant([SEED, optimizers_lib._NOISE_TAG], tf.int64)
+    base = tf.constant([SEED, noise_lib.NOISE_TAG], tf.int64)
     generation = tf.random.experimental.stateless_fold_in(base, tf.constant(0, tf.int64))
     step_seed = tf.random.experimental.stateless_fold_in(generation,
                                                          tf.constant(step, tf.int64))

@@ -28,6 +28,13 @@ entry                      meaning
 ``lineage``                a random id naming this ledger's history
 ``flags``                  assumptions outside the Gaussian mechanism
                            (:mod:`tf_dpnsgd.coverage`)
+``adaptive_steps``         steps that also released quantile-adaptive
+                           clipping's noised count (Andrew et al. 2021); with
+                           ``min_clipped_count_stddev`` (the smallest count
+                           noise they used), ``l2_norm_clip`` (the clip after
+                           the last of them) and its settings
+                           (``initial_l2_norm_clip``,
+                           ``target_unclipped_quantile``, ``clip_learning_rate``)
 =========================  ==================================================
 
 Where it lives (the mechanism). The ledger is a Keras saveable object that
@@ -110,8 +117,12 @@ UNTAGGED = "untagged"
 KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
 _LEDGER_NAME = "dp_privacy_ledger"
+# Quantile-adaptive clipping: what its steps released, recorded by the step (the report
+# reads it here, never from the optimizer).
+ADAPTIVE_FIELDS = ("adaptive_steps", "min_clipped_count_stddev", "l2_norm_clip",
+                   "initial_l2_norm_clip", "target_unclipped_quantile", "clip_learning_rate")
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
-           "min_noise_multiplier", "noise_generation", "lineage", "flags")
+           "min_noise_multiplier", "noise_generation", "lineage", "flags") + ADAPTIVE_FIELDS
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
                "min_noise_multiplier")  # files written before the seed hash existed
 # In-process high-water marks, lineage -> (steps, state): a rollback of ANY ledger object of
@@ -199,10 +210,11 @@ class PrivacyLedger(keras.layers.Layer):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
     dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32"}
+    dtypes.update({name: "float32" for name in ADAPTIVE_FIELDS[1:]})
     self._vars = {}
     for name in _FIELDS:
-      init = (keras.initializers.Constant(np.inf) if name == "min_noise_multiplier"
-              else "zeros")
+      init = (keras.initializers.Constant(np.inf)
+              if name in ("min_noise_multiplier", "min_clipped_count_stddev") else "zeros")
       self._vars[name] = self.add_weight(shape=(), dtype=dtypes.get(name, "int64"),
                                          initializer=init, trainable=False, name=name,
                                          aggregation="only_first_replica")
@@ -258,6 +270,16 @@ class PrivacyLedger(keras.layers.Layer):
   def flags(self) -> int:
     """Bits of :mod:`tf_dpnsgd.coverage`: assumptions outside the Gaussian mechanism."""
     return int(self._vars["flags"].numpy())
+
+  def adaptive_clipping(self) -> Optional[dict]:
+    """What quantile-adaptive clipping's steps released (None if no step used it):
+    ``steps``, ``min_clipped_count_stddev``, ``l2_norm_clip`` (now), ``initial_l2_norm_clip``,
+    ``target_unclipped_quantile``, ``clip_learning_rate``."""
+    state = self.state()
+    if not state["adaptive_steps"]:
+      return None
+    return dict({name: state[name] for name in ADAPTIVE_FIELDS[1:]},
+                steps=state["adaptive_steps"])
 
   def to_dict(self) -> dict:
     """The public entries (no seed, no key; the seed hash is left out too)."""
@@ -324,6 +346,9 @@ class PrivacyLedger(keras.layers.Layer):
                                              old["min_noise_multiplier"])
         merged["user_seeded_steps"] = max(state["user_seeded_steps"], old["user_seeded_steps"])
         merged["flags"] = state["flags"] | old["flags"]
+        merged["adaptive_steps"] = max(state["adaptive_steps"], old.get("adaptive_steps", 0))
+        merged["min_clipped_count_stddev"] = min(state["min_clipped_count_stddev"],
+                                                 old.get("min_clipped_count_stddev", np.inf))
       _log.warning(
           "tf_dpnsgd: the privacy ledger was restored to step %d, but its lineage already "
           "executed %d private steps; it keeps counting %d (the steps of the abandoned branch "
@@ -441,8 +466,14 @@ class PrivacyLedger(keras.layers.Layer):
     return tf.stack([self._vars["lineage"].value, self._vars["noise_generation"].value,
                      self._vars["steps"].value])
 
-  def record(self, tags, noise_multiplier: float, user_seeded: bool) -> list:
-    """Assign ops recording one executed private step (run after the update)."""
+  def record(self, tags, noise_multiplier: float, user_seeded: bool,
+             adaptive: Optional[dict] = None) -> list:
+    """Assign ops recording one executed private step (run after the update).
+
+    ``adaptive``: under quantile-adaptive clipping, what the step released besides the
+    gradient (:meth:`tf_dpnsgd.PrivateOptimizer.apply_private_gradients`): its count
+    noise ``clipped_count_stddev``, the new ``l2_norm_clip`` and the clip's settings.
+    """
     v = self._vars
     if tags is None:
       kind = tf.constant(KIND_CODES[UNTAGGED], tf.int32)
@@ -456,6 +487,12 @@ class PrivacyLedger(keras.layers.Layer):
       ops.append(v["sampler_seed_hash"].assign(tf.cast(tags[DP_SEED_KEY][0], tf.int64)))
     if user_seeded:
       ops.append(v["user_seeded_steps"].assign_add(tf.constant(1, tf.int64)))
+    if adaptive is not None:
+      f32 = lambda name: tf.cast(adaptive[name], tf.float32)  # noqa: E731
+      ops += [v["adaptive_steps"].assign_add(tf.constant(1, tf.int64)),
+              v["min_clipped_count_stddev"].assign(tf.minimum(
+                  v["min_clipped_count_stddev"].value, f32("clipped_count_stddev")))]
+      ops += [v[name].assign(f32(name)) for name in ADAPTIVE_FIELDS[2:]]
     return ops
 
 

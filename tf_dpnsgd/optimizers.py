@@ -1,41 +1,33 @@
-"""DP optimizers: any Keras optimizer made private, and the paper's four by name.
+"""DP optimizers: the Keras face of the DP step (config, build, the paper's four by name).
 
-This module is long (about 740 lines): the wrapper and the four named optimizers share one
-``__init__``/``get_config`` contract, which is easier to keep in step in one file.
+This module is long (about 640 lines): the wrapper and the four named optimizers share
+one ``__init__``/``get_config`` contract (a named optimizer's ``get_config`` mirrors its
+``__init__`` and the wrapper's config), which must be read and changed together; the
+mechanism itself is :mod:`tf_dpnsgd.noise`.
 
 :func:`make_private_optimizer` wraps ANY Keras 3 optimizer (SGD with momentum,
-Adam, AdamW, Nadam, Lion, Adafactor, ...) in a :class:`PrivateOptimizer`,
-which owns
-
-(a) the per-example transform (:class:`~tf_dpnsgd.transforms.Normalize` for
-    DP-NSGD-style normalization, :class:`~tf_dpnsgd.transforms.Clip` for
-    DP-SGD-style clipping), which reports the sensitivity ``S``;
-(b) the noise multiplier ``sigma``;
-(c) the noise key: the user's ``seed`` (reproducibility experiments only; the
-    privacy report says so) or, by default, a key drawn from the OS when the
-    optimizer is built. The key is never a variable, so no checkpoint,
-    ``.keras`` file or export holds it. The draw of each step is keyed by
-    (key, the model's privacy-ledger step), not by an optimizer counter, so a
-    recompile, a new optimizer or a resume continues the noise stream and
-    never repeats a draw (:mod:`tf_dpnsgd.ledger`).
-
-and hands the privatized mean gradient to the wrapped optimizer, whose update
-rule (and state: momentum, moments, its step counter) is used unchanged. The
-wrapper is a composition, like Keras' own ``LossScaleOptimizer``: no class is
-generated and nothing in Keras is patched.
+Adam, AdamW, Nadam, Lion, Adafactor, ...) in a :class:`PrivateOptimizer`, which
+holds the mechanism's configuration and state: (a) the per-example transform
+(``Normalize``, DP-NSGD, or ``Clip``, DP-SGD; it reports the sensitivity ``S``),
+(b) the noise multiplier ``sigma``, (c) the noise key (the user's ``seed``, for
+reproducibility experiments only, or by default a key drawn from the OS at
+``build``; never a variable, so no checkpoint, ``.keras`` file or export holds
+it), (d) under quantile-adaptive clipping the clip variable. The mechanism
+itself, ``(sum + N(0, (sigma S)^2 I)) / D`` with each draw keyed by (key, the
+model's privacy-ledger step), is :func:`tf_dpnsgd.noise.privatize`; the wrapped
+optimizer's update rule (and state: momentum, moments, step counter) is applied
+to its result unchanged. The wrapper is a composition, like Keras' own
+``LossScaleOptimizer``: no class is generated and nothing in Keras is patched.
 
 :class:`DPNSGD`, :class:`DPSGD`, :class:`DPAdam` and :class:`DPNAdam` are thin
-names over the same mechanism with the paper's signatures.
+names over the same mechanism with the paper's signatures; their
+``get_config`` mirrors ``__init__``.
 
 The per-example contributions come from the model's train step
-(:class:`tf_dpnsgd.DPModel` / :func:`tf_dpnsgd.make_private`), which calls
+(:func:`tf_dpnsgd.step.dp_step`), which calls
 :meth:`PrivateOptimizer.apply_private_gradients` with the SUM of the
 transformed contributions. Calling ``apply``/``apply_gradients`` with ordinary
 gradients raises: it would silently train without privacy.
-
-Noise semantics (as tensorflow-privacy and Opacus): ``N(0, (sigma * S)^2)`` is
-added to the sum of contributions, then the result is divided by the
-(expected) number of units in the batch.
 """
 
 from __future__ import annotations
@@ -56,13 +48,6 @@ _RAW_APPLY_ERROR = (
     "before `compile`/`fit`; in a custom loop use `optimizer.apply_private_gradients(...)`."
 )
 
-_NOISE_TAG = 0x5EED  # separates the noise stream from other uses of the same seed
-_COUNT_TAG = 0xC0C7  # adaptive clipping's count noise: a stream independent of the gradient's
-
-# The keyword arguments of quantile-adaptive clipping (Andrew et al. 2021).
-ADAPTIVE_KEYS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
-
-
 def _validate_num_microbatches(num_microbatches):
   if num_microbatches is None:
     return None
@@ -77,54 +62,6 @@ def _validate_seed(seed):
   if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
     raise ValueError(f"`seed` must be a non-negative integer or None; got {seed!r}.")
   return seed
-
-
-def make_transform(regularizer=None, l2_norm_clip=None) -> transforms.Transform:
-  """``Normalize(regularizer)`` or ``Clip(l2_norm_clip)``: exactly one must be given."""
-  if (regularizer is None) == (l2_norm_clip is None):
-    raise ValueError("Give exactly one of `regularizer` (per-example normalization, "
-                     "DP-NSGD) and `l2_norm_clip` (per-example clipping, DP-SGD).")
-  if regularizer is not None:
-    return transforms.Normalize(regularizer)
-  return transforms.Clip(l2_norm_clip)
-
-
-def make_adaptive_clip(noise_multiplier, regularizer=None, l2_norm_clip=None,
-                       target_unclipped_quantile=None, clip_learning_rate=None,
-                       clipped_count_stddev=None):
-  """``(AdaptiveClip or None, clipped_count_stddev or None)``, validated.
-
-  ``target_unclipped_quantile=None`` keeps the clip fixed (and then the two
-  other arguments must be None). ``clipped_count_stddev=None`` means
-  ``m / 20`` for a step of ``m`` (expected) units, or 0 when
-  ``noise_multiplier = 0`` (no privacy claimed).
-
-  Raises:
-    ValueError: adaptive arguments with normalization (DP-NSGD has no clip),
-      a quantile outside [0, 1], a negative ``clip_learning_rate``, or
-      ``2 clipped_count_stddev <= noise_multiplier``.
-  """
-  given = {k: v for k, v in zip(ADAPTIVE_KEYS, (target_unclipped_quantile, clip_learning_rate,
-                                                clipped_count_stddev)) if v is not None}
-  if not given:
-    return None, None
-  if l2_norm_clip is None:
-    raise ValueError(
-        f"{sorted(given)}: quantile-adaptive clipping adapts a clip, but this optimizer "
-        "normalizes (`regularizer`, DP-NSGD / DP-NAdam), whose sensitivity is 1 whatever the "
-        "norms. Use DPSGD / DPAdam / make_private_optimizer(..., l2_norm_clip=...) for "
-        "adaptive clipping, or drop these arguments.")
-  if target_unclipped_quantile is None:
-    raise ValueError(f"{sorted(given)} given without `target_unclipped_quantile`: set it "
-                     "(e.g. 0.5) for adaptive clipping, or drop them for a fixed clip.")
-  adaptive = transforms.AdaptiveClip(
-      l2_norm_clip, target_unclipped_quantile,
-      transforms.DEFAULT_CLIP_LEARNING_RATE if clip_learning_rate is None
-      else clip_learning_rate)
-  if clipped_count_stddev is not None:
-    clipped_count_stddev = noise_lib.validate_clipped_count_stddev(clipped_count_stddev)
-    noise_lib.gradient_noise_multiplier(noise_multiplier, clipped_count_stddev)  # may raise
-  return adaptive, clipped_count_stddev
 
 
 def _check_inner(inner) -> keras.optimizers.Optimizer:
@@ -158,7 +95,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
   Args:
     inner_optimizer: any Keras 3 optimizer (instance, name or config).
     noise_multiplier: ``sigma >= 0``; the noise std on the sum is ``sigma * S``.
-    regularizer / l2_norm_clip: exactly one (see :func:`make_transform`).
+    regularizer / l2_norm_clip: exactly one (see :func:`tf_dpnsgd.noise.make_transform`).
     seed: a fixed noise seed, for reproducibility experiments only (the privacy
       report says so); ``None`` (default) draws the key from the OS.
     num_microbatches: deprecated here; give it to ``DPModel`` / ``make_private``.
@@ -170,19 +107,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       units (default: the step's (expected) number of units / 20).
     name: the optimizer's name.
 
-  Formal guarantee: :meth:`privatize` returns ``(sum + N(0, (sigma S)^2 I)) / D``
-  with one draw per call, keyed by ``(key, step)``; given contributions of
-  norm at most ``S = transform.sensitivity`` this is the Gaussian mechanism
-  with noise multiplier ``sigma`` that :mod:`tf_dpnsgd.accounting` accounts.
-
-  Adaptive clipping: ``noise_multiplier`` is the EFFECTIVE multiplier of the
-  two queries of each step (what every accountant uses): the gradient gets
-  ``sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` times the clip ``C_t``
-  of that step (read before the step, the same value that clipped), the
-  centered count of unclipped units gets ``N(0, sigma_b^2)`` from an
-  independent stream, and only then is the clip moved to ``C_{t+1}``
-  (:func:`tf_dpnsgd.transforms.quantile_clip_update`); see
-  :mod:`tf_dpnsgd.accounting.adaptive`.
+  Formal guarantee and adaptive clipping's split of ``sigma`` (the EFFECTIVE
+  multiplier of the gradient and count queries): :mod:`tf_dpnsgd.noise`.
   """
 
   def __init__(self, inner_optimizer, noise_multiplier=None, regularizer=None,
@@ -192,10 +118,10 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     if kwargs:
       raise ValueError(f"{type(self).__name__} does not take {sorted(kwargs)}; set optimizer "
                        "options on the wrapped optimizer.")
-    transform = make_transform(regularizer, l2_norm_clip)
+    transform = noise_lib.make_transform(regularizer, l2_norm_clip)
     if noise_multiplier is not None:
       noise_multiplier = noise_lib.validate_noise_multiplier(noise_multiplier)
-    adaptive, count_stddev = make_adaptive_clip(
+    adaptive, count_stddev = noise_lib.make_adaptive_clip(
         noise_multiplier or 0.0, regularizer, l2_norm_clip, target_unclipped_quantile,
         clip_learning_rate, clipped_count_stddev)
     inner = _check_inner(inner_optimizer)
@@ -301,13 +227,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
 
   def resolved_clipped_count_stddev(self, denominator):
     """``sigma_b`` for a step of ``denominator`` (expected) units (float or tensor)."""
-    if self._clipped_count_stddev is not None:
-      return self._clipped_count_stddev
-    if self.noise_multiplier == 0:
-      return 0.0
-    if tf.is_tensor(denominator):
-      return tf.cast(denominator, tf.float32) * noise_lib.default_clipped_count_stddev(1.0)
-    return noise_lib.default_clipped_count_stddev(denominator)
+    return noise_lib.count_stddev(self._clipped_count_stddev, self.noise_multiplier,
+                                  denominator)
 
   def gradient_noise_multiplier(self, expected_batch_size=None) -> float:
     """``sigma_grad``: the multiplier of the gradient's own noise (= ``noise_multiplier``
@@ -376,37 +297,22 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
           initializer=keras.initializers.Constant(self.adaptive_clip.l2_norm_clip),
           aggregation="only_first_replica")
     # A Python value, never a variable: no checkpoint, .keras file or export holds it.
-    self._noise_key = (self.seed if self.seed is not None else noise_lib.random_seed(),
-                       _NOISE_TAG)
+    self._noise_key = noise_lib.noise_key(self.seed)
 
   def finalize_variable_values(self, var_list):
     self.inner_optimizer.finalize_variable_values(var_list)
 
-  # --- the private step ----------------------------------------------------------
+  # --- the private step (the mechanism itself: tf_dpnsgd.noise) ------------------------
   def privatize(self, summed, denominator, local_denominator=False, step=None, transform=None):
-    """Adds calibrated noise to the summed contributions and divides by ``denominator``.
+    """``(summed + N(0, (sigma S)^2 I)) / denominator``: :func:`tf_dpnsgd.noise.privatize`
+    with this optimizer's key and noise.
 
-    Under a ``tf.distribute`` strategy with several replicas, the per-replica
-    sums are all-reduced first and every replica adds the SAME noise draw (same
-    key and step), so the noise enters once per logical batch.
-
-    Args:
-      summed: per-variable ``sum_i h_i g_i`` (each unit's contribution bounded
-        by ``self.transform.sensitivity``).
-      denominator: number of units (batch size, number of microbatches, or the
-        expected batch size ``qN`` under Poisson sampling).
-      local_denominator: True if ``denominator`` counts this replica's units
-        only (it is then summed over replicas too).
-      step: the index of this private step in the model's privacy ledger
-        (:meth:`tf_dpnsgd.ledger.PrivacyLedger.step`); the noise draw is keyed
-        by it. Required: a DP train step always passes it.
-      transform: the transform that produced ``summed`` (default
-        :attr:`transform`); its ``sensitivity`` scales the noise. Under
-        adaptive clipping the train step passes ``Clip(C_t)``, read once before
-        the step, so the noise uses the clip that clipped.
-
-    Returns:
-      The privatized mean gradient, one tensor per variable.
+    ``step`` is the model's privacy-ledger ``[lineage, generation, step]``
+    (:meth:`tf_dpnsgd.ledger.PrivacyLedger.noise_stream`), required: it keys the draw.
+    ``transform`` (default :attr:`transform`) produced ``summed``: under adaptive
+    clipping the train step passes ``Clip(C_t)`` read once before the step, whose
+    sensitivity scales the noise; with a fixed clip the std is :attr:`noise_stddev`.
+    ``local_denominator``: ``denominator`` counts this replica's units only.
     """
     if step is None:
       raise ValueError("privatize() needs `step`, the model's privacy-ledger step that keys "
@@ -415,95 +321,42 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     if self._noise_key is None:
       raise RuntimeError("Build the optimizer before privatize() (its noise key is drawn "
                          "at build time).")
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
-    if replicas > 1:
-      summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(summed))
-      if local_denominator:
-        denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                     tf.cast(denominator, tf.float32))
-    seed = noise_lib.step_seed(tf.constant(self._noise_key, tf.int64), self._stream(step))
     transform = self.transform if transform is None else transform
-    checks = []
-    if self.adaptive_clip is None or self.noise_multiplier == 0:
-      stddev = self.noise_stddev if self.adaptive_clip is None else 0.0
+    if self.adaptive_clip is None:
+      stddev = self.noise_stddev
+    elif self.noise_multiplier == 0:
+      stddev = 0.0
     else:
-      sigma_grad, checks = self._step_gradient_noise_multiplier(denominator)
-      stddev = sigma_grad * tf.cast(transform.sensitivity, tf.float32)
-    with tf.control_dependencies(checks):
-      noisy = noise_lib.add_gaussian_noise(summed, stddev, seed)
-    denominator = tf.cast(denominator, tf.float32)
-    if replicas > 1:
-      # Keras sums the replicas' gradients in apply_gradients; every replica
-      # holds the same privatized mean, so each passes 1/R of it.
-      denominator = denominator * replicas
-    return [g / tf.cast(denominator, g.dtype) for g in noisy]
-
-  def _stream(self, step):
-    """The counter(s) keying this step's draw: the ledger's ``[lineage, generation, step]``
-    (without the lineage for a user-fixed seed, so that a reproducibility run replays in a
-    new model), or a scalar step."""
-    step = tf.cast(step, tf.int64)
-    if step.shape.rank == 1 and self.seed is not None:
-      step = step[1:]
-    return step
-
-  def _step_gradient_noise_multiplier(self, global_denominator):
-    """``(sigma_grad, checks)`` for a step of ``global_denominator`` units (adaptive)."""
-    sigma_b = self.resolved_clipped_count_stddev(tf.cast(global_denominator, tf.float32))
-    if tf.is_tensor(sigma_b) and tf.get_static_value(sigma_b) is not None:
-      sigma_b = float(tf.get_static_value(sigma_b))
-    if tf.is_tensor(sigma_b):
-      return noise_lib.gradient_noise_multiplier_tensor(self.noise_multiplier, sigma_b)
-    return noise_lib.gradient_noise_multiplier(self.noise_multiplier, sigma_b), []
+      stddev = None  # sigma_grad of the step's global denominator, times the clip C_t
+    return noise_lib.privatize(
+        summed, denominator, key=self._noise_key, step=step, stddev=stddev,
+        noise_multiplier=self.noise_multiplier, sensitivity=transform.sensitivity,
+        clipped_count_stddev=self._clipped_count_stddev, user_seeded=self.seed is not None,
+        local_denominator=local_denominator)
 
   def step_checks(self, denominator, local_denominator=False) -> list:
-    """Assertions a DP step must pass before it changes anything (adaptive clipping:
-    ``2 sigma_b > sigma`` for the default ``sigma_b = m / 20`` of this step's ``m``).
-
-    The train step creates all its ops under these control dependencies, so a
-    refused step changes no weight, clip or ledger entry. A violation known
-    while tracing raises ``ValueError`` at once. XLA drops assertions, so under
-    ``jit_compile`` the same checks run on the host before each step
-    (:mod:`tf_dpnsgd.guard`); were they bypassed, the
-    gradient noise of such a step would be NaN (nothing is released).
-    """
-    if self.adaptive_clip is None or self.noise_multiplier == 0 \
-        or self._clipped_count_stddev is not None:
-      return []  # an explicit sigma_b was checked at construction
-    ctx = tf.distribute.get_replica_context()
-    denominator = tf.cast(denominator, tf.float32)
-    if local_denominator and ctx is not None and ctx.num_replicas_in_sync > 1:
-      denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
-    return self._step_gradient_noise_multiplier(denominator)[1]
+    """Adaptive clipping's assertions (:func:`tf_dpnsgd.noise.step_checks`): the train step
+    creates its ops under them, so a refused step changes nothing. XLA drops assertions,
+    so the host runs the same check first (:mod:`tf_dpnsgd.guard`)."""
+    if self.adaptive_clip is None:
+      return []
+    return noise_lib.step_checks(self.noise_multiplier, self._clipped_count_stddev,
+                                 denominator, local_denominator)
 
   def privatize_count(self, centered_count, denominator, local_denominator=False, step=None):
-    """Adaptive clipping's count query: the noised fraction of unclipped units.
+    """Adaptive clipping's count query: the noised fraction of unclipped units
+    (:func:`tf_dpnsgd.noise.privatize_count`, keyed like the gradient's noise but from an
+    independent stream); ``centered_count`` is
+    :func:`tf_dpnsgd.transforms.centered_unclipped_count` at the step's clip."""
+    return self._privatize_count(centered_count, denominator, local_denominator, step)[0]
 
-    Args:
-      centered_count: :func:`tf_dpnsgd.transforms.centered_unclipped_count`
-        of this replica's units at the step's clip (sensitivity 1/2).
-      denominator, local_denominator, step: as :meth:`privatize` (the same
-        public denominator as the gradient).
-
-    Returns:
-      ``b_t`` (:func:`tf_dpnsgd.noise.noised_unclipped_fraction`), from a noise
-      stream keyed by ``(key, step)`` like the gradient's but independent of it.
-    """
+  def _privatize_count(self, centered_count, denominator, local_denominator, step):
     if step is None or self._noise_key is None:
       raise ValueError("privatize_count() needs a built optimizer and `step`.")
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
-    centered_count = tf.cast(centered_count, tf.float32)
-    denominator = tf.cast(denominator, tf.float32)
-    if replicas > 1:
-      centered_count = ctx.all_reduce(tf.distribute.ReduceOp.SUM, centered_count)
-      if local_denominator:
-        denominator = ctx.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
-    count_key = tf.constant((self._noise_key[0], _COUNT_TAG), tf.int64)
-    seed = noise_lib.step_seed(count_key, self._stream(step))
-    return noise_lib.noised_unclipped_fraction(
-        centered_count, self.resolved_clipped_count_stddev(denominator), denominator, seed)
+    return noise_lib.privatize_count(
+        centered_count, denominator, key=self._noise_key, step=step,
+        noise_multiplier=self.noise_multiplier, clipped_count_stddev=self._clipped_count_stddev,
+        user_seeded=self.seed is not None, local_denominator=local_denominator)
 
   def apply_private_gradients(self, summed, denominator, variables, public_grads=None,
                               local_denominator=False, step=None, transform=None,
@@ -521,6 +374,13 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
         step's :func:`~tf_dpnsgd.transforms.centered_unclipped_count` at the
         clip of ``transform``. After the gradient's noise is drawn, the count is
         noised (:meth:`privatize_count`) and the clip moves to ``C_{t+1}``.
+
+    Returns:
+      None with a fixed clip; under adaptive clipping what the step released, for
+      the privacy ledger (:meth:`tf_dpnsgd.ledger.PrivacyLedger.record`): the count
+      noise ``clipped_count_stddev`` of this step, the clip ``C_{t+1}`` it moved to, and
+      its settings (``initial_l2_norm_clip``, ``target_unclipped_quantile``,
+      ``clip_learning_rate``).
     """
     if not self.built:
       with keras.name_scope(self.name, caller=self):
@@ -531,10 +391,16 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
                        "before the step) and `centered_unclipped_count`; the DP train step "
                        "passes both.")
     grads = self.privatize(summed, denominator, local_denominator, step, transform)
+    released = None
     if self.adaptive_clip is not None:
-      fraction = self.privatize_count(centered_unclipped_count, denominator, local_denominator,
-                                      step)
-      self._clip_variable.assign(self.adaptive_clip.update(transform.l2_norm_clip, fraction))
+      fraction, sigma_b = self._privatize_count(centered_unclipped_count, denominator,
+                                                local_denominator, step)
+      clip = self.adaptive_clip.update(transform.l2_norm_clip, fraction)
+      self._clip_variable.assign(clip)
+      released = {"clipped_count_stddev": sigma_b, "l2_norm_clip": clip,
+                  "initial_l2_norm_clip": self.l2_norm_clip,
+                  "target_unclipped_quantile": self.target_unclipped_quantile,
+                  "clip_learning_rate": self.clip_learning_rate}
     if public_grads is not None:
       grads = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(grads, public_grads)]
     self._dp_applying = True
@@ -542,6 +408,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       self.inner_optimizer.apply_gradients(zip(grads, variables))
     finally:
       self._dp_applying = False
+    return released
 
   def apply(self, grads, trainable_variables=None):
     raise RuntimeError(_RAW_APPLY_ERROR.format(name=type(self).__name__))
@@ -614,13 +481,14 @@ class _Named(PrivateOptimizer):
 
   def __init__(self, learning_rate, regularizer, l2_norm_clip, noise_multiplier, seed,
                num_microbatches, name, inner_kwargs, base_kwargs, adaptive_kwargs=None):
-    adaptive_given = sorted(k for k in ADAPTIVE_KEYS if base_kwargs.get(k) is not None)
+    adaptive_given = sorted(k for k in noise_lib.ADAPTIVE_KEYS
+                            if base_kwargs.get(k) is not None)
     if adaptive_given:
       raise ValueError(
           f"{type(self).__name__} normalizes per-example gradients (sensitivity 1, no clip), "
           f"so {adaptive_given} (quantile-adaptive clipping) does not apply. Use DPSGD or "
           "DPAdam (l2_norm_clip=..., target_unclipped_quantile=...) for adaptive clipping.")
-    base_kwargs = {k: v for k, v in base_kwargs.items() if k not in ADAPTIVE_KEYS}
+    base_kwargs = {k: v for k, v in base_kwargs.items() if k not in noise_lib.ADAPTIVE_KEYS}
     unknown = set(base_kwargs) - _BASE_KEYS
     if unknown:
       raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(unknown)}.")
@@ -655,7 +523,7 @@ class _Named(PrivateOptimizer):
 
 
 def _adaptive_kwargs(target_unclipped_quantile, clip_learning_rate, clipped_count_stddev):
-  return dict(zip(ADAPTIVE_KEYS, (target_unclipped_quantile, clip_learning_rate,
+  return dict(zip(noise_lib.ADAPTIVE_KEYS, (target_unclipped_quantile, clip_learning_rate,
                                   clipped_count_stddev)))
 
 
@@ -713,7 +581,7 @@ class DPSGD(_Named):
 
   _inner_cls = keras.optimizers.SGD
   _inner_keys = ("momentum", "nesterov")
-  _signature = ("l2_norm_clip",) + ADAPTIVE_KEYS
+  _signature = ("l2_norm_clip",) + noise_lib.ADAPTIVE_KEYS
 
   def __init__(self, learning_rate=0.01, l2_norm_clip=None, noise_multiplier=None, seed=None,
                num_microbatches=None, momentum=0.0, nesterov=False,
@@ -737,7 +605,7 @@ class DPAdam(_Named):
 
   _inner_cls = keras.optimizers.Adam
   _inner_keys = ("beta_1", "beta_2", "epsilon", "amsgrad")
-  _signature = ("l2_norm_clip",) + ADAPTIVE_KEYS
+  _signature = ("l2_norm_clip",) + noise_lib.ADAPTIVE_KEYS
 
   def __init__(self, learning_rate=0.001, l2_norm_clip=None, noise_multiplier=None, seed=None,
                num_microbatches=None, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False,
@@ -773,5 +641,4 @@ class DPNAdam(_Named):
                             "amsgrad": amsgrad}, kwargs)
 
 
-__all__ = ["ADAPTIVE_KEYS", "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "PrivateOptimizer",
-           "make_adaptive_clip", "make_private_optimizer", "make_transform"]
+__all__ = ["DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "PrivateOptimizer", "make_private_optimizer"]

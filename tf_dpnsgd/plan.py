@@ -238,18 +238,19 @@ class PrivacyPlan:
     if steps > self.num_steps:
       notes.append(f"{steps} steps ran, more than the {self.num_steps} planned; the epsilon "
                    "covers all of them.")
-    notes.extend(self._adaptive_clipping_notes(model))
+    notes.extend(self._adaptive_clipping_notes(ledger))
     # What the model depends on outside the Gaussian mechanism (tf_dpnsgd.coverage).
     return dataclasses.replace(self._report(steps, notes),
                                not_covered=coverage.not_covered(model))
 
-  def _adaptive_clipping_notes(self, model) -> list:
-    """What the report says about adaptive clipping's count query (if ``model`` used it)."""
-    optimizer = getattr(model, "optimizer", None)
-    if getattr(optimizer, "adaptive_clip", None) is None:
+  def _adaptive_clipping_notes(self, ledger) -> list:
+    """What the report says about adaptive clipping's count query, from what the ledger
+    recorded (nothing if no step used it; the optimizer is never read back)."""
+    adaptive = ledger.adaptive_clipping()
+    if adaptive is None:
       return []
     sigma = self.training_noise_multiplier
-    sigma_b = optimizer.resolved_clipped_count_stddev(self.batch_size)
+    sigma_b = adaptive["min_clipped_count_stddev"]
     try:
       sigma_grad = f"{accounting.gradient_noise_multiplier(sigma, sigma_b):.6g}"
     except accounting.AccountingError:
@@ -259,10 +260,10 @@ class PrivacyPlan:
             f"count of unclipped examples (sensitivity 1/2, std sigma_b = {sigma_b:.6g}); "
             f"the epsilon accounts for both through the effective noise multiplier "
             f"(sigma_grad^-2 + (2 sigma_b)^-2)^(-1/2) = {sigma:.6g}. Clip now: "
-            f"{float(optimizer.current_l2_norm_clip):.6g} (initial "
-            f"{optimizer.l2_norm_clip:.6g}, target unclipped quantile "
-            f"{optimizer.target_unclipped_quantile:g}, clip learning rate "
-            f"{optimizer.clip_learning_rate:g})."]
+            f"{adaptive['l2_norm_clip']:.6g} (initial "
+            f"{adaptive['initial_l2_norm_clip']:.6g}, target unclipped quantile "
+            f"{adaptive['target_unclipped_quantile']:.6g}, clip learning rate "
+            f"{adaptive['clip_learning_rate']:.6g})."]
 
   def epsilon_of(self, model) -> float:
     """Epsilon of what ``model``'s ledger executed (see :meth:`report`)."""

@@ -14,10 +14,11 @@ phase       what runs, and where
             ``[lineage, generation, step]``, ``S`` taken only from the transform,
             ``D`` the public denominator (``B``, or ``qN`` under Poisson sampling); one
             all-reduce of the sum under a strategy
-            (:meth:`tf_dpnsgd.optimizers.PrivateOptimizer.privatize`)
+            (:func:`tf_dpnsgd.noise.privatize`, through the optimizer)
 3 apply     the wrapped Keras optimizer's update on the noised mean, plus the
             gradients of data-independent weight regularizers (after the noise)
-4 record    the ledger counts the step, its batch kind, sampler and noise
+4 record    the ledger counts the step, its batch kind, sampler and noise (and
+            adaptive clipping's count noise and clip)
             (:meth:`tf_dpnsgd.ledger.PrivacyLedger.record`)
 ==========  ==========================================================================
 
@@ -88,12 +89,14 @@ def dp_step(model, x, y, mask, denominator, tags, num_microbatches):
     # 2. privatize and 3. apply (the noise, then the wrapped optimizer's update)
     variables = model.trainable_variables
     public, reg_loss = public_gradients(variables)
-    optimizer.apply_private_gradients(out.summed, denominator, variables, public,
-                                      local_denominator=local, step=stream,
-                                      transform=transform, centered_unclipped_count=count)
+    released = optimizer.apply_private_gradients(
+        out.summed, denominator, variables, public, local_denominator=local, step=stream,
+        transform=transform, centered_unclipped_count=count)
     # 4. record: the effective noise multiplier (adaptive clipping: of the gradient and
-    # count queries together, tf_dpnsgd.accounting.adaptive) is what the plan accounts.
-    ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None)
+    # count queries together, tf_dpnsgd.accounting.adaptive) is what the plan accounts;
+    # adaptive clipping's count noise and clip go to the ledger too (the report reads them).
+    ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None,
+                  adaptive=released)
   return out, reg_loss
 
 
