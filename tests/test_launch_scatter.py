@@ -28,7 +28,9 @@ def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path,
   assert rep["private"] and rep["sampling"] == "poisson" and rep["steps"] == 2
   assert rep["dataset_size"] == 60 and rep["not_covered"] == []
   assert rep["model"] == config.split("_dp")[0] and rep["feature_cache_hit"] is False
-  assert "GroupNorm" in rep["feature_normalization"]
+  # The committed configs normalize with released statistics, inside the epsilon.
+  assert "released" in rep["feature_normalization"] and rep["feature_release"] == "new"
+  assert rep["epsilon"] <= 3.0 + 1e-9
   with open(run / "export_check.json") as f:
     check = json.load(f)
   # The SavedModel on raw uint8 images predicts what the head on cached features did.
@@ -61,3 +63,32 @@ def test_scatter_flag_errors_are_one_line(tmp_path, args, message):
                check=False)
   assert out.returncode != 0 and message in out.stderr
   assert "Traceback" not in out.stderr and "FATAL" in out.stderr
+
+
+@pytest.mark.slow
+def test_private_data_normalization_is_released_once_accounted_and_exported(tmp_path):
+  write_image_folder(tmp_path / "data", per_class=(6, 3))
+  base = [f"--flagfile={ROOT}/configs/cifar10/scatter_linear_dpnsgd_eps3.flags",
+          f"--data_dir={tmp_path}/data", f"--feature_cache_dir={tmp_path}/cache", *TINY]
+  run, export = tmp_path / "run", tmp_path / "export"
+  launch("tf_dpnsgd.launch.cifar10", *base, "--feature_normalization=private_data",
+         f"--model_dir={run}", f"--export_dir={export}")
+  rep = report(run)
+  assert rep["feature_release"] == "new" and "released" in rep["feature_normalization"]
+  # The plan composed the two releases: the target still holds, with them inside it.
+  assert rep["epsilon"] <= 3.0 + 1e-9
+  assert any("2 Gaussian release(s)" in note for note in rep["notes"])
+  with open(run / "feature_moments.json") as f:
+    moments = json.load(f)
+  assert moments["noise_multiplier"] == 8.0 and len(moments["mean"]) == 243
+  with open(run / "export_check.json") as f:
+    check = json.load(f)
+  assert check["raw_pixel_test_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
+                                                           abs=1e-6)
+  # The same run resumed: the statistics come back from the model_dir, not a new release.
+  launch("tf_dpnsgd.launch.cifar10", *base[:-2], "--max_steps=3", "--max_test_examples=20",
+         "--feature_normalization=private_data", f"--model_dir={run}")
+  again = report(run)
+  assert again["feature_release"] == "reused from --model_dir" and again["steps"] == 3
+  with open(run / "feature_moments.json") as f:
+    assert json.load(f) == moments

@@ -122,7 +122,9 @@ _LEDGER_NAME = "dp_privacy_ledger"
 ADAPTIVE_FIELDS = ("adaptive_steps", "min_clipped_count_stddev", "l2_norm_clip",
                    "initial_l2_norm_clip", "target_unclipped_quantile", "clip_learning_rate")
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
-           "min_noise_multiplier", "noise_generation", "lineage", "flags") + ADAPTIVE_FIELDS
+           "min_noise_multiplier", "noise_generation", "lineage", "flags", "releases",
+           "min_release_noise_multiplier") + ADAPTIVE_FIELDS
+_MIN_FIELDS = ("min_noise_multiplier", "min_release_noise_multiplier")  # start at +inf
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
                "min_noise_multiplier")  # files written before the seed hash existed
 # In-process high-water marks, lineage -> (steps, state): a rollback of ANY ledger object of
@@ -209,12 +211,13 @@ class PrivacyLedger(keras.layers.Layer):
   def __init__(self, **kwargs):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
-    dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32"}
+    dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32",
+              "min_release_noise_multiplier": "float32"}
     dtypes.update({name: "float32" for name in ADAPTIVE_FIELDS[1:]})
     self._vars = {}
     for name in _FIELDS:
       init = (keras.initializers.Constant(np.inf)
-              if name in ("min_noise_multiplier", "min_clipped_count_stddev") else "zeros")
+              if name in _MIN_FIELDS or name == "min_clipped_count_stddev" else "zeros")
       self._vars[name] = self.add_weight(shape=(), dtype=dtypes.get(name, "int64"),
                                          initializer=init, trainable=False, name=name,
                                          aggregation="only_first_replica")
@@ -267,6 +270,16 @@ class PrivacyLedger(keras.layers.Layer):
     return int(self._vars["lineage"].numpy())
 
   @property
+  def releases(self) -> int:
+    """Gaussian releases of training-set statistics made for this model before or between
+    its steps (:mod:`tf_dpnsgd.private_stats`); the plan composes them with the steps."""
+    return int(self._vars["releases"].numpy())
+
+  @property
+  def min_release_noise_multiplier(self) -> float:
+    return float(self._vars["min_release_noise_multiplier"].numpy())
+
+  @property
   def flags(self) -> int:
     """Bits of :mod:`tf_dpnsgd.coverage`: assumptions outside the Gaussian mechanism."""
     return int(self._vars["flags"].numpy())
@@ -286,7 +299,10 @@ class PrivacyLedger(keras.layers.Layer):
     return {"steps": self.steps, "batch_kind": self.kind,
             "user_seeded_noise_steps": self.user_seeded_steps,
             "min_noise_multiplier": (None if self.steps == 0 else self.min_noise_multiplier),
-            "noise_generation": self.noise_generation, "flags": self.flags}
+            "noise_generation": self.noise_generation, "flags": self.flags,
+            "releases": self.releases,
+            "min_release_noise_multiplier": (self.min_release_noise_multiplier
+                                             if self.releases else None)}
 
   # --- host-side writes (eager) ----------------------------------------------
   def expect(self, sampling: Optional[str]) -> None:
@@ -297,6 +313,17 @@ class PrivacyLedger(keras.layers.Layer):
     """ORs ``bits`` (:mod:`tf_dpnsgd.coverage`) into :attr:`flags`; flags are never cleared."""
     self.sync()
     self._host_write("flags", self.flags | int(bits))
+
+  def record_release(self, noise_multiplier: float) -> None:
+    """Counts one Gaussian release of training-set statistics (never uncounted)."""
+    noise_multiplier = float(noise_multiplier)
+    if not noise_multiplier > 0:
+      raise ValueError(f"A release needs a noise multiplier > 0; got {noise_multiplier!r}.")
+    self.sync()
+    self._vars["releases"].assign(self.releases + 1)
+    self._vars["min_release_noise_multiplier"].assign(
+        min(self.min_release_noise_multiplier, noise_multiplier))
+    self._note(self.state())
 
   def adopt_lineage(self, lineage: int) -> None:
     """Takes ``lineage`` (worker 0's, under a multi-worker strategy) if no step ran yet.
@@ -336,8 +363,9 @@ class PrivacyLedger(keras.layers.Layer):
     recorded = lineage_lib.max_steps(lineage)
     if reached is None or recorded > reached[0]:
       reached = (recorded, None)
-    if state["steps"] < reached[0]:
-      merged = dict(state, steps=reached[0],
+    old_releases = (reached[1] or {}).get("releases", 0)
+    if state["steps"] < reached[0] or state["releases"] < old_releases:
+      merged = dict(state, steps=max(state["steps"], reached[0]),
                     noise_generation=max(state["noise_generation"],
                                          (reached[1] or {}).get("noise_generation", 0)) + 1)
       if reached[1] is not None:
@@ -349,6 +377,10 @@ class PrivacyLedger(keras.layers.Layer):
         merged["adaptive_steps"] = max(state["adaptive_steps"], old.get("adaptive_steps", 0))
         merged["min_clipped_count_stddev"] = min(state["min_clipped_count_stddev"],
                                                  old.get("min_clipped_count_stddev", np.inf))
+        merged["releases"] = max(state["releases"], old.get("releases", 0))
+        merged["min_release_noise_multiplier"] = min(
+            state["min_release_noise_multiplier"],
+            old.get("min_release_noise_multiplier", np.inf))
       _log.warning(
           "tf_dpnsgd: the privacy ledger was restored to step %d, but its lineage already "
           "executed %d private steps; it keeps counting %d (the steps of the abandoned branch "

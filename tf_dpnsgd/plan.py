@@ -73,6 +73,13 @@ class PrivacyPlan:
     max_batch_size, overflow_probability: Poisson padding (see
       :class:`tf_dpnsgd.sampling.PoissonSampler`).
     calibration_tolerance: absolute tolerance on the calibrated ``sigma``.
+    releases: noise multipliers of the Gaussian releases of whole-training-set
+      statistics made before training (:mod:`tf_dpnsgd.private_stats`, e.g.
+      Tramer and Boneh's private feature normalization: two releases). They
+      are composed with the steps in every epsilon, so a target epsilon
+      leaves less for training; the model's ledger records each release
+      made, and a report refuses a ledger with a release the plan does not
+      account for.
   """
 
   dataset_size: int
@@ -90,8 +97,11 @@ class PrivacyPlan:
   max_batch_size: Optional[int] = None
   overflow_probability: float = 1e-12
   calibration_tolerance: float = 1e-3
+  releases: tuple = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "releases", tuple(
+        accounting.validate_noise_multiplier(r) for r in self.releases))
     accounting.validate_dataset_and_batch(self.dataset_size, self.batch_size)
     accounting.validate_delta(self.delta)
     if (self.steps is None) == (self.epochs is None):
@@ -124,7 +134,8 @@ class PrivacyPlan:
   @functools.cached_property
   def spec(self) -> accounting.AccountingSpec:
     return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
-                                self.accountant, self.bound, self.conversion)
+                                self.accountant, self.bound, self.conversion,
+                                releases=self.releases)
 
   @functools.cached_property
   def num_steps(self) -> int:
@@ -182,6 +193,7 @@ class PrivacyPlan:
     """Raises :class:`~tf_dpnsgd.ledger.LedgerMismatchError` unless this plan can account
     for what ``ledger`` (or a model's ledger) recorded; returns notes for the report."""
     ledger = _as_ledger(ledger)
+    self._check_releases(ledger)
     steps = ledger.steps
     if steps == 0:
       return []
@@ -218,6 +230,22 @@ class PrivacyPlan:
                    "noise; do not release such a model as private.")
     return notes
 
+  def _check_releases(self, ledger) -> None:
+    """Refuses a ledger that recorded more releases, or noisier-than-planned ones, than
+    this plan accounts for."""
+    made = ledger.releases
+    if made > len(self.releases):
+      raise ledger_lib.LedgerMismatchError(
+          f"The model's privacy ledger records {made} release(s) of training-set statistics "
+          f"(e.g. private feature normalization), but this plan accounts for "
+          f"{len(self.releases)}: its epsilon would leave them out. Give the plan "
+          "releases=(...) with the noise multiplier of each release.")
+    if made and ledger.min_release_noise_multiplier < min(self.releases) * (1 - 1e-6):
+      raise ledger_lib.LedgerMismatchError(
+          f"A release recorded in the model's privacy ledger used noise multiplier "
+          f"{ledger.min_release_noise_multiplier:.6g}, below the plan's smallest "
+          f"({min(self.releases):.6g}): the plan's epsilon would understate it.")
+
   def report(self, model=None) -> accounting.PrivacyReport:
     """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
 
@@ -230,7 +258,8 @@ class PrivacyPlan:
     if ledger.kind == ledger_lib.UNTAGGED:
       # One composition per step: the shuffle accountant with one batch per "epoch".
       spec = accounting.make_spec(self.dataset_size, self.dataset_size, "shuffle",
-                                  self.accountant, self.bound, self.conversion)
+                                  self.accountant, self.bound, self.conversion,
+                                  releases=self.releases)
       report = accounting.StepAccountant(spec, self.training_noise_multiplier,
                                          self.delta).report(steps)
       return dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes),
@@ -348,7 +377,9 @@ class PrivacyPlan:
 
     Contains the sampler seed, a secret: log or publish :meth:`public_dict` instead.
     """
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["releases"] = list(self.releases)  # as JSON gives it back, so records compare equal
+    return d
 
   def public_dict(self) -> dict:
     """The fields without the sampler seed (safe to log, record and publish)."""

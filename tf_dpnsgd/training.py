@@ -142,6 +142,18 @@ def _ledger_for(model) -> ledger_lib.PrivacyLedger:
   return ledger
 
 
+def base_ledger(model: keras.Model) -> ledger_lib.PrivacyLedger:
+  """The privacy ledger that ``make_private(model)`` will continue (created now if needed).
+
+  For what is spent on ``model``'s training data before it is made private,
+  e.g. :func:`tf_dpnsgd.private_stats.release_channel_moments` of its input
+  features: recorded here, it is in every later report of the private model.
+  """
+  ledger = _ledger_for(model)
+  object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
+  return ledger
+
+
 class LastValue(keras.metrics.Metric):
   """A metric that reports the last value it was given (e.g. the current clip).
 

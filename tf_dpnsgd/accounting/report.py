@@ -149,14 +149,16 @@ class StepAccountant:
 
   def _compute(self, steps: int) -> tuple:
     k = self.spec.compositions(steps)
-    if k == 0:
+    if k == 0 and not self.spec.releases:
       return 0.0, None, None
     if self._curve is None:
       accountant = self.spec.make_accountant()
       accountant.compose(self.spec.composed_event(self.noise_multiplier, steps))
       return float(accountant.get_epsilon(self.delta)), None, None
     curve = self._curve
-    eps, order = CONVERTERS[self.spec.conversion](curve.orders, k * curve.rdp, self.delta)
+    # k == 0 (releases only): 0 * inf would be nan at orders where one step is unbounded.
+    rdp = (k * curve.rdp if k else 0.0) + self.spec.release_rdp(curve.orders)
+    eps, order = CONVERTERS[self.spec.conversion](curve.orders, rdp, self.delta)
     source = None
     if order is not None and self.spec.bound == "min":
       source = curve.source[int(np.argmin(np.abs(curve.orders - order)))]
@@ -178,6 +180,8 @@ class StepAccountant:
     if self.spec.sampling == "shuffle":
       notes.append("Shuffling: no privacy amplification is claimed (none is proven); the "
                    "epsilon counts each epoch as one full-batch Gaussian mechanism.")
+    if self.spec.releases:
+      notes.append(self.spec.assumptions()["releases"])
     if self.spec.sampling == "shuffle" and self.spec.dataset_size % self.spec.batch_size:
       notes.append(f"N mod B = {self.spec.dataset_size % self.spec.batch_size} examples are "
                    "left out of each epoch (a different random set each epoch).")

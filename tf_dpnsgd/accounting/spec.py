@@ -107,6 +107,12 @@ class AccountingSpec:
       (``rdp`` only).
     orders: RDP orders; ``None`` picks :data:`DEFAULT_ORDERS` (or
       :data:`WOR_ORDERS` for uniform sampling).
+    releases: noise multipliers of Gaussian releases of statistics of the
+      WHOLE training set made before training (e.g. the private feature
+      normalization of :mod:`tf_dpnsgd.private_stats`): each a sum of
+      per-example vectors of L2 norm at most ``S_j`` noised with
+      ``N(0, (sigma_j S_j)^2 I)``, composed once with the training steps
+      (no sampling; replace-one doubles their sensitivity like a step's).
 
   Raises:
     AccountingError: for invalid sizes; :class:`UnsupportedAccountingError`
@@ -120,6 +126,7 @@ class AccountingSpec:
   bound: str = "default"
   conversion: str = "modern"
   orders: Optional[tuple] = None
+  releases: tuple = ()
 
   def __post_init__(self):
     validate_dataset_and_batch(self.dataset_size, self.batch_size)
@@ -149,6 +156,8 @@ class AccountingSpec:
       if not orders or any(not a > 1.0 or not math.isfinite(a) for a in orders):
         raise AccountingError(f"`orders` must be finite numbers > 1; got {self.orders!r}.")
       object.__setattr__(self, "orders", orders)
+    object.__setattr__(self, "releases",
+                       tuple(validate_noise_multiplier(r) for r in self.releases))
     if self.bound != "default":
       # Fail early when the paper's sigma-independent condition (q < 0.1) fails; the
       # others depend on sigma and are checked by rdp_curve.
@@ -215,10 +224,26 @@ class AccountingSpec:
           self.dataset_size, self.batch_size, gaussian)
     return gaussian
 
+  def release_events(self) -> list:
+    """The dp-accounting events of the :attr:`releases` (full-data Gaussian mechanisms)."""
+    return [dp_accounting.GaussianDpEvent(self.accountant_noise_multiplier(r))
+            for r in self.releases]
+
+  def release_rdp(self, orders) -> np.ndarray:
+    """RDP of all :attr:`releases` together at ``orders``: ``sum_j alpha / (2 m_j^2)``,
+    ``m_j`` in the accountant's convention (:meth:`accountant_noise_multiplier`)."""
+    orders = np.asarray(orders, dtype=float)
+    total = sum(1.0 / (2.0 * self.accountant_noise_multiplier(r) ** 2) for r in self.releases)
+    return orders * total
+
   def composed_event(self, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
-    """The event of a whole run of ``steps`` steps."""
-    return dp_accounting.SelfComposedDpEvent(self.event(noise_multiplier),
-                                             self.compositions(steps))
+    """The event of a whole run of ``steps`` steps (after the :attr:`releases`, if any)."""
+    run = dp_accounting.SelfComposedDpEvent(self.event(noise_multiplier),
+                                            self.compositions(steps))
+    if not self.releases:
+      return run
+    steps_events = [run] if self.compositions(steps) else []  # PLD refuses a 0-fold event
+    return dp_accounting.ComposedDpEvent(self.release_events() + steps_events)
 
   def make_accountant(self) -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant with this spec's neighbouring relation and orders."""
@@ -265,7 +290,7 @@ class AccountingSpec:
         "modern": "RDP -> (epsilon, delta): Canonne-Kamath-Steinke 2020 (dp-accounting default)",
         "classic": "RDP -> (epsilon, delta): epsilon = RDP(a) + log(1/delta)/(a-1) (Mironov 2017)",
     }[self.conversion]
-    return {
+    out = {
         "neighboring_relation": relation,
         "sampling": sampling,
         "sensitivity": "noise multiplier sigma = noise std / S; " + sensitivity,
@@ -273,13 +298,20 @@ class AccountingSpec:
         "conversion": conversion,
         "protects": "every intermediate model (all noised updates are released).",
     }
+    if self.releases:
+      sigmas = ", ".join(f"{r:.6g}" for r in self.releases)
+      out["releases"] = (f"{len(self.releases)} Gaussian release(s) of whole-training-set "
+                         f"statistics before training (noise multipliers {sigmas}; exact "
+                         "Gaussian RDP, no sampling), composed with the steps.")
+    return out
 
 
 def make_spec(dataset_size, batch_size, sampling, accountant="rdp", bound="default",
-              conversion="modern", orders=None) -> AccountingSpec:
+              conversion="modern", orders=None, releases=()) -> AccountingSpec:
   return AccountingSpec(dataset_size=dataset_size, batch_size=batch_size, sampling=sampling,
                         accountant=accountant, bound=bound, conversion=conversion,
-                        orders=None if orders is None else tuple(orders))
+                        orders=None if orders is None else tuple(orders),
+                        releases=tuple(releases))
 
 
 __all__ = ["ACCOUNTANTS", "AccountingSpec", "BOUNDS", "CONVERSIONS", "DEFAULT_ORDERS",

@@ -28,6 +28,7 @@ also checks the export's accuracy on the raw test images against the feature-bas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpnsgd import export as export_lib
+from tf_dpnsgd import private_stats
 from tf_dpnsgd import models
 from tf_dpnsgd.data import cache as cache_lib
 from tf_dpnsgd.data import cifar10 as cifar_lib
@@ -62,6 +64,18 @@ flags.DEFINE_boolean("augment", False, "Random crop (4-pixel padding) + horizont
 flags.DEFINE_integer("groups", 16, "GroupNorm groups of resnet20.")
 flags.DEFINE_integer("feature_groups", 27, "Scattering models: GroupNorm groups over the 243 "
                      "feature channels (a divisor of 243: 9, 27, 81, ...).")
+flags.DEFINE_enum("feature_normalization", "groupnorm", ("groupnorm", "private_data"),
+                  "Scattering models: per-example GroupNorm (--feature_groups; no privacy "
+                  "cost), or Tramer and Boneh's data normalization: each channel's mean and "
+                  "variance over the training features released with the Gaussian mechanism "
+                  "(tf_dpnsgd.private_stats; two releases, composed into the plan's epsilon "
+                  "and recorded in the model's ledger).")
+flags.DEFINE_float("feature_norm_noise_multiplier", 8.0, "--feature_normalization="
+                   "private_data: noise multiplier of each of the two releases.")
+flags.DEFINE_float("feature_norm_mean_clip", 1.0, "--feature_normalization=private_data: L2 "
+                   "bound of one example's per-channel feature means.")
+flags.DEFINE_float("feature_norm_square_clip", 1.5, "--feature_normalization=private_data: L2 "
+                   "bound of one example's per-channel feature mean squares.")
 flags.DEFINE_string("feature_cache_dir", None, "Scattering models: keep decoded image folders "
                     "and scattering features here, keyed by the data's checksum (holds data "
                     "derived from the training set: keep it private). None: no cache.")
@@ -140,6 +154,35 @@ def scattering_features(extractor, x_train, x_test, cache_dir):
   return f_train, f_test, info
 
 
+MOMENTS_FILE = "feature_moments.json"
+
+
+def _feature_moments(f_train, head, FLAGS, model_dir):
+  """The released feature statistics: kept in ``model_dir`` (public once released) so that a
+  resumed run reuses them instead of releasing twice; recorded in ``head``'s ledger either way.
+
+  Returns:
+    ``(moments, released_now)``.
+  """
+  path = os.path.join(model_dir, MOMENTS_FILE) if model_dir else None
+  if path and os.path.exists(path):
+    with open(path) as f:
+      moments = private_stats.ChannelMoments.from_dict(json.load(f))
+    private_stats.record_releases(head, moments)  # a resumed checkpoint's ledger holds them too
+    return moments, False
+  try:
+    moments = private_stats.release_channel_moments(
+        f_train, head, noise_multiplier=FLAGS.feature_norm_noise_multiplier,
+        mean_clip=FLAGS.feature_norm_mean_clip, square_clip=FLAGS.feature_norm_square_clip)
+  except ValueError as e:
+    raise common.LaunchError(f"--feature_norm_*: {e}") from None
+  if path:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(moments.to_dict(), f)
+  return moments, True
+
+
 def check_export(export_dir, x_test, y_test, batch_size: int = 250) -> float:
   """Accuracy of the exported SavedModel on raw test images (uint8 signature)."""
   serve = tf.saved_model.load(export_dir).signatures["serving_uint8"]
@@ -158,6 +201,9 @@ def main(argv):
     raise common.LaunchError(f"--augment needs --model=resnet20: --model={FLAGS.model} trains "
                              "on scattering features computed once from the unaugmented "
                              "images.")
+  if FLAGS.model != "resnet20" and FLAGS.feature_normalization == "private_data" and cfg.private:
+    sigma = FLAGS.feature_norm_noise_multiplier
+    cfg = dataclasses.replace(cfg, releases=(sigma,) * private_stats.RELEASES_PER_NORMALIZATION)
   (x_train, y_train), (x_test, y_test) = cifar_lib.load_cifar10(
       FLAGS.data_dir, cache_dir=FLAGS.feature_cache_dir)
   if FLAGS.max_train_examples:
@@ -198,25 +244,53 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
 
 def _run_scatter(cfg, FLAGS, train, test, loss):
   (x_train, y_train), (x_test, y_test) = train, test
-  groups = FLAGS.feature_groups
+  private_data = FLAGS.feature_normalization == "private_data"
+  groups = None if private_data else FLAGS.feature_groups
   try:
     extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=groups)
   except ValueError as e:  # e.g. groups not dividing the channels
     raise common.LaunchError(f"--feature_groups: {e}") from None
   f_train, f_test, info = scattering_features(extractor, x_train, x_test,
                                               FLAGS.feature_cache_dir)
-  head = SCATTER_HEADS[FLAGS.model]
+  head_fn = SCATTER_HEADS[FLAGS.model]
+  built = []
+
+  if private_data:
+    if cfg.distribution_strategy != "none":
+      raise common.LaunchError("--feature_normalization=private_data builds the model before "
+                               "the strategy exists; use --distribution_strategy=none.")
+    # The release is recorded in the ledger of the head that will be made private, before
+    # any noise is drawn (tf_dpnsgd.private_stats); the plan composes it (cfg.releases).
+    head = head_fn(feature_shape=f_train.shape[1:])
+    moments, released = _feature_moments(f_train, head, FLAGS, cfg.model_dir)
+    f_train = private_stats.standardize(f_train, moments, dtype=np.float16)
+    f_test = private_stats.standardize(f_test, moments, dtype=np.float16)
+    extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=None,
+                                                channel_moments=moments)
+    info.update({"feature_release": "new" if released else "reused from --model_dir",
+                 "feature_norm_noise_multiplier": moments.noise_multiplier,
+                 "feature_norm_clips": [moments.mean_clip, moments.square_clip],
+                 "feature_channels_kept": int(np.sum(moments.variance > 0))})
+    normalization = (f"per-channel standardization by released training-set statistics "
+                     f"(Gaussian, noise multiplier {moments.noise_multiplier:g}, 2 releases)")
+    built.append(head)
+  else:
+    normalization = f"per-example GroupNorm ({groups} groups, no affine)"
 
   def build_model():
-    return head(feature_shape=f_train.shape[1:])
+    if built:  # the head whose ledger holds the release; built once
+      return built.pop()
+    if private_data:
+      raise common.LaunchError("--feature_normalization=private_data: the model was built "
+                               "twice; a second model would not hold the release.")
+    return head_fn(feature_shape=f_train.shape[1:])
 
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(scatternet.on_raw_pixels(model, extractor), export_dir,
                                        mean=None, std=None)
 
   extra = {"dataset": "cifar10", "model": FLAGS.model, "features": "scattering J=2 L=8 order 2",
-           "feature_normalization": f"per-example GroupNorm ({groups} groups, no affine)",
-           **info}
+           "feature_normalization": normalization, **info}
   # Training features stay float16 in memory (the sampler holds a copy too); each batch
   # becomes float32 in the input pipeline, exactly (they are float16 values).
   record = common.run_experiment(cfg, build_model, (f_train, y_train),

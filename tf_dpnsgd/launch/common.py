@@ -222,6 +222,7 @@ class ExperimentConfig:
   verbose: int = 2
   distribution_strategy: str = "none"
   tpu: Optional[str] = None
+  releases: tuple = ()  # noise multipliers of pre-training releases (tf_dpnsgd.private_stats)
 
   def __post_init__(self):
     if self.optimizer != "sgd":
@@ -342,7 +343,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   validator(("optimizer",) + PRIVACY_FLAGS, privacy)
 
 
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ExperimentConfig)
+                     if f.name != "releases")  # set by cifar10.py, not a common flag
 
 
 def _explicit(fv) -> set:
@@ -446,7 +448,8 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
                        sampling=cfg.sampling, delta=cfg.delta, epochs=cfg.epochs,
                        noise_multiplier=cfg.noise_multiplier,
                        target_epsilon=cfg.target_epsilon, accountant=cfg.accountant,
-                       bound=cfg.bound, conversion=cfg.conversion, seed=sampler_seed)
+                       bound=cfg.bound, conversion=cfg.conversion, seed=sampler_seed,
+                       releases=cfg.releases)
   except ValueError as e:
     raise LaunchError(str(e)) from None
 

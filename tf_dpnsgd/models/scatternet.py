@@ -14,9 +14,11 @@ A model here is split in two:
   transform, then each example's features normalized by themselves
   (``GroupNormalization`` without scale or offset, as Tramer and Boneh's
   ``nn.GroupNorm(groups, 243, affine=False)``). No weights, and no statistic
-  of any data set: Tramer and Boneh's alternative, "data normalization" with
-  privatized feature means and variances, spends privacy budget that the
-  package's ledger does not account, so it is not offered;
+  of any data set. Or Tramer and Boneh's "data normalization": each channel
+  standardized by its mean and variance over the training set, released
+  with the Gaussian mechanism (:mod:`tf_dpnsgd.private_stats`; two releases
+  the plan composes with the steps and the ledger records), held by a
+  :class:`ChannelStandardization` layer (constants, no trainable weights);
 * a head on the normalized features, :func:`scatter_linear` or
   :func:`scatter_cnn`, the only part with weights, hence the only part DP
   training touches (training it on precomputed features is the same training
@@ -64,9 +66,48 @@ class RoundToFloat16(keras.layers.Layer):
     return input_shape
 
 
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class ChannelStandardization(keras.layers.Layer):
+  """``(x - mean) * scale`` over the last axis, with fixed (released, public) constants.
+
+  The constants come from :func:`tf_dpnsgd.private_stats.release_channel_moments`
+  (``scale`` is 0 for channels it dropped); they are stored as non-trainable
+  weights so that saving and export keep them. Not part of any model DP
+  training updates.
+  """
+
+  def __init__(self, mean, scale, **kwargs):
+    super().__init__(**kwargs)
+    self._mean_init = [float(v) for v in mean]
+    self._scale_init = [float(v) for v in scale]
+    if len(self._mean_init) != len(self._scale_init):
+      raise ValueError(f"`mean` ({len(self._mean_init)}) and `scale` "
+                       f"({len(self._scale_init)}) must have one value per channel.")
+
+  def build(self, input_shape):
+    channels = input_shape[-1]
+    if channels != len(self._mean_init):
+      raise ValueError(f"{len(self._mean_init)} channel constants for inputs with "
+                       f"{channels} channels.")
+    self.mean = self.add_weight(shape=(channels,), trainable=False, name="mean",
+                                initializer=keras.initializers.Constant(self._mean_init))
+    self.scale = self.add_weight(shape=(channels,), trainable=False, name="scale",
+                                 initializer=keras.initializers.Constant(self._scale_init))
+
+  def call(self, inputs):
+    return (inputs - self.mean) * self.scale
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  def get_config(self):
+    return {**super().get_config(), "mean": self._mean_init, "scale": self._scale_init}
+
+
 def scattering_extractor(input_shape=(32, 32, 3), J: int = 2, L: int = 8, groups=27,
                          mean=IMAGENET_MEAN, std=IMAGENET_STD, chunk_size=None,
-                         float16_features: bool = True, name="scattering"):
+                         float16_features: bool = True, channel_moments=None,
+                         name="scattering"):
   """Raw pixels (0..255) -> normalized scattering features, as a weightless Keras model.
 
   Args:
@@ -82,6 +123,11 @@ def scattering_extractor(input_shape=(32, 32, 3), J: int = 2, L: int = 8, groups
     float16_features: round the features to float16 values
       (:class:`RoundToFloat16`), so that they can be stored as float16
       without changing what the model computes.
+    channel_moments: released per-channel statistics
+      (:class:`tf_dpnsgd.private_stats.ChannelMoments`) to standardize the
+      (float16-rounded) features with, instead of GroupNorm (``groups`` must
+      be ``None``); the output is rounded to float16 values again, as
+      :func:`tf_dpnsgd.private_stats.standardize` of cached features is.
 
   Returns:
     A functional ``keras.Model`` ``[None, H, W, C] -> [None, H/2^J, W/2^J, C K]``
@@ -99,9 +145,17 @@ def scattering_extractor(input_shape=(32, 32, 3), J: int = 2, L: int = 8, groups
   x = cifar_lib.PixelNormalization(mean, std, 255.0, name="pixel_normalization")(inputs)
   x = Scattering2D(J=J, L=L, max_order=2, scale=1.0, chunk_size=chunk_size,
                    name="scattering2d")(x)
+  if groups is not None and channel_moments is not None:
+    raise ValueError("Give `groups` (GroupNorm) or `channel_moments` (data normalization), "
+                     "not both.")
   if groups is not None:
     x = keras.layers.GroupNormalization(groups=groups, center=False, scale=False,
                                         epsilon=GROUPNORM_EPSILON, name="feature_groupnorm")(x)
+  if channel_moments is not None:
+    if float16_features:
+      x = RoundToFloat16(name="round_raw_to_float16")(x)
+    x = ChannelStandardization(channel_moments.mean, channel_moments.scale(),
+                               name="feature_standardization")(x)
   if float16_features:
     x = RoundToFloat16(name="round_to_float16")(x)
   return keras.Model(inputs, x, name=name)
@@ -158,5 +212,5 @@ def on_raw_pixels(head, extractor, name=None):
   return keras.Model(inputs, head(extractor(inputs)), name=name or f"{head.name}_raw_pixels")
 
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RoundToFloat16", "on_raw_pixels", "scatter_cnn",
+__all__ = ["ChannelStandardization", "IMAGENET_MEAN", "IMAGENET_STD", "RoundToFloat16", "on_raw_pixels", "scatter_cnn",
            "scatter_linear", "scattering_extractor"]

@@ -1,0 +1,218 @@
+"""Private feature statistics (tf_dpnsgd.private_stats) and their accounting.
+
+Oracles: per-example loops written here, the analytic Gaussian mechanism
+(Balle and Wang 2018, Thm. 8) for the epsilon of the releases alone, and
+dp-accounting's own composition of the events.
+"""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from scipy import optimize
+from scipy import stats
+
+import tf_dpnsgd
+from tf_dpnsgd import accounting
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import private_stats
+from tf_dpnsgd.plan import PrivacyPlan
+
+
+def _loop_sums(features, c_mean, c_square):
+  """Per-example oracle: one example at a time, clipping by hand."""
+  k = features.shape[-1]
+  s_mean, s_square = np.zeros(k), np.zeros(k)
+  for x in features.astype(np.float64):
+    m = x.reshape(-1, k).mean(axis=0)
+    s = (x.reshape(-1, k) ** 2).mean(axis=0)
+    for v, c, acc in ((m, c_mean, s_mean), (s, c_square, s_square)):
+      norm = math.sqrt(float(np.sum(v * v)))
+      acc += v * (1.0 if norm <= c else c / norm)
+  return s_mean, s_square
+
+
+def _analytic_gaussian_epsilon(sigma, delta):
+  """Smallest epsilon of the Gaussian mechanism (sensitivity 1, std sigma) at delta."""
+  def delta_of(eps):
+    return (stats.norm.cdf(-eps * sigma + 1 / (2 * sigma))
+            - math.exp(eps) * stats.norm.cdf(-eps * sigma - 1 / (2 * sigma)))
+  return optimize.brentq(lambda e: delta_of(e) - delta, 1e-9, 100)
+
+
+def _private_model(k=4):
+  inputs = keras.Input((k,))
+  model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+  return tf_dpnsgd.make_private(model)
+
+
+def test_clip_rows_bounds_every_row_at_extreme_magnitudes():
+  rows = np.array([[3.0, 4.0], [0.0, 0.0], [1e-300, 0.0], [1e30, -1e30], [0.3, 0.4]])
+  out = private_stats.clip_rows(rows, 1.0)
+  norms = np.linalg.norm(out, axis=1)
+  assert np.all(norms <= 1.0 + 1e-12)
+  np.testing.assert_allclose(out[0], [0.6, 0.8])
+  np.testing.assert_array_equal(out[1], [0.0, 0.0])
+  np.testing.assert_allclose(out[3], [math.sqrt(0.5), -math.sqrt(0.5)])
+  np.testing.assert_array_equal(out[4], rows[4])  # inside the ball: unchanged
+
+
+def test_clipped_sums_match_a_per_example_loop():
+  rng = np.random.default_rng(0)
+  features = rng.normal(size=(37, 3, 2, 5)) * rng.choice([0.01, 1.0, 30.0], size=(37, 1, 1, 1))
+  got = private_stats.clipped_moment_sums(features.astype(np.float16), 1.5, 2.0, chunk_size=8)
+  want = _loop_sums(features.astype(np.float16), 1.5, 2.0)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12)
+
+
+def test_one_adversarial_example_moves_each_sum_by_at_most_its_clip():
+  rng = np.random.default_rng(1)
+  base = rng.normal(size=(20, 4, 6))
+  for outlier in (np.full((1, 4, 6), 1e6), np.full((1, 4, 6), -1e-3), rng.normal(size=(1, 4, 6))):
+    with_it = np.concatenate([base, outlier])
+    a = private_stats.clipped_moment_sums(base, 0.7, 0.9)
+    b = private_stats.clipped_moment_sums(with_it, 0.7, 0.9)
+    assert np.linalg.norm(b[0] - a[0]) <= 0.7 + 1e-9
+    assert np.linalg.norm(b[1] - a[1]) <= 0.9 + 1e-9
+
+
+def test_release_records_two_releases_before_drawing_noise():
+  model = _private_model()
+  ledger = ledger_lib.ledger_of(model)
+
+  class Exploding:
+    def normal(self, *args):
+      assert ledger.releases == 2, "noise drawn before the releases were recorded"
+      raise RuntimeError("stop")
+
+  with pytest.raises(RuntimeError, match="stop"):
+    private_stats.release_channel_moments(np.ones((10, 3, 4)), model, noise_multiplier=8.0,
+                                          mean_clip=1.0, square_clip=1.0, rng=Exploding())
+  assert ledger.releases == 2
+  assert ledger.min_release_noise_multiplier == pytest.approx(8.0)
+
+
+def test_a_release_on_the_keras_model_is_in_the_ledger_make_private_continues():
+  inputs = keras.Input((4,))
+  base = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+  moments = private_stats.release_channel_moments(np.ones((10, 3, 4)), base,
+                                                  noise_multiplier=7.0, mean_clip=1.0,
+                                                  square_clip=1.0)
+  private = tf_dpnsgd.make_private(base)
+  assert ledger_lib.ledger_of(private).releases == 2
+  private_stats.record_releases(private, moments)  # e.g. statistics kept from an earlier run
+  assert ledger_lib.ledger_of(private).releases == 4
+
+
+def test_release_noise_has_the_stated_standard_deviation():
+  k = 4000
+  model = _private_model()
+  moments = private_stats.release_channel_moments(
+      np.zeros((50, 2, k)), model, noise_multiplier=3.0, mean_clip=0.5, square_clip=2.0,
+      dataset_size=50, rng=np.random.default_rng(2))
+  # All-zero features: the released mean is the noise / N alone.
+  std = np.std(moments.mean * 50)
+  assert std == pytest.approx(3.0 * 0.5, rel=0.05)
+  assert np.all(moments.variance >= 0)
+  assert np.all(moments.scale()[moments.variance == 0] == 0)
+
+
+def test_the_plan_composes_releases_into_epsilon_and_calibration():
+  common = dict(dataset_size=50000, batch_size=8192, sampling="poisson", epochs=60,
+                target_epsilon=3.0, delta=1e-5)
+  plain, with_releases = PrivacyPlan(**common), PrivacyPlan(**common, releases=(8.0, 8.0))
+  sigma = with_releases.training_noise_multiplier
+  assert sigma > plain.training_noise_multiplier  # less budget left for training
+  assert with_releases.planned_report().epsilon <= 3.0
+  # Oracle: dp-accounting composing the events itself.
+  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  acc.compose(dp_accounting.GaussianDpEvent(8.0), 2)
+  acc.compose(dp_accounting.PoissonSampledDpEvent(
+      8192 / 50000, dp_accounting.GaussianDpEvent(sigma)), with_releases.num_steps)
+  assert with_releases.epsilon() == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_of_the_releases_alone_against_the_analytic_gaussian(accountant):
+  # Two releases at sigma are one Gaussian mechanism at sigma / sqrt(2).
+  plan = PrivacyPlan(dataset_size=1000, batch_size=10, sampling="poisson", steps=1,
+                     noise_multiplier=1.0, delta=1e-5, accountant=accountant,
+                     releases=(4.0, 4.0))
+  exact = _analytic_gaussian_epsilon(4.0 / math.sqrt(2), 1e-5)
+  eps = plan.epsilon(0)
+  assert eps >= exact * (1 - 1e-3)  # never below the truth
+  if accountant == "pld":
+    assert eps == pytest.approx(exact, rel=0.02)
+  else:
+    assert eps <= exact * 1.3
+
+
+def test_report_refuses_a_release_the_plan_does_not_account_for():
+  model = _private_model()
+  private_stats.release_channel_moments(np.ones((10, 3, 4)), model, noise_multiplier=8.0,
+                                        mean_clip=1.0, square_clip=1.0)
+  common = dict(dataset_size=10, batch_size=2, sampling="poisson", steps=5,
+                noise_multiplier=1.0, delta=1e-5)
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="release"):
+    PrivacyPlan(**common).report(model)
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="release"):
+    PrivacyPlan(**common, releases=(8.0,)).report(model)  # one of two
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="below the plan"):
+    PrivacyPlan(**common, releases=(9.0, 9.0)).report(model)  # noisier than what ran
+  report = PrivacyPlan(**common, releases=(8.0, 8.0)).report(model)
+  assert report.epsilon > 0  # zero steps, but the releases count
+  assert any("release" in note for note in report.notes)
+
+
+def test_a_rolled_back_ledger_keeps_its_releases():
+  model = _private_model()
+  ledger = ledger_lib.ledger_of(model)
+  before = {k: np.asarray(v) for k, v in ledger.state().items()}
+  private_stats.release_channel_moments(np.ones((10, 3, 4)), model, noise_multiplier=8.0,
+                                        mean_clip=1.0, square_clip=1.0)
+  ledger.load_own_variables(before)  # e.g. load_weights of a file saved before the release
+  assert ledger.releases == 2
+  assert ledger.min_release_noise_multiplier == pytest.approx(8.0)
+
+
+def test_releases_travel_with_the_saved_model(tmp_path):
+  model = _private_model()
+  private_stats.release_channel_moments(np.ones((10, 3, 4)), model, noise_multiplier=6.0,
+                                        mean_clip=1.0, square_clip=1.0)
+  path = str(tmp_path / "m.weights.h5")
+  model.save_weights(path)
+  other = _private_model()
+  other.load_weights(path)
+  assert ledger_lib.ledger_of(other).releases == 2
+  assert ledger_lib.ledger_of(other).min_release_noise_multiplier == pytest.approx(6.0)
+
+
+def test_standardize_matches_the_keras_layer():
+  from tf_dpnsgd.models import scatternet
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(5, 2, 2, 6)).astype(np.float32)
+  moments = private_stats.ChannelMoments(
+      mean=rng.normal(size=6), variance=np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0]),
+      noise_multiplier=8.0, mean_clip=1.0, square_clip=1.0, dataset_size=5)
+  layer = scatternet.ChannelStandardization(moments.mean, moments.scale())
+  np.testing.assert_allclose(np.asarray(layer(x)), private_stats.standardize(x, moments),
+                             rtol=1e-6, atol=1e-6)
+  assert np.all(private_stats.standardize(x, moments)[..., [0, 4]] == 0)  # dropped channels
+
+
+def test_bad_arguments_fail_loudly():
+  model = _private_model()
+  with pytest.raises(ValueError, match="noise_multiplier"):
+    private_stats.release_channel_moments(np.ones((3, 4)), model, noise_multiplier=0.0,
+                                          mean_clip=1.0, square_clip=1.0)
+  with pytest.raises(ValueError, match="mean_clip"):
+    private_stats.clipped_moment_sums(np.ones((3, 4)), -1.0, 1.0)
+  with pytest.raises(TypeError, match="privacy ledger"):
+    private_stats.release_channel_moments(np.ones((3, 4)), object(),
+                                          noise_multiplier=1.0, mean_clip=1.0, square_clip=1.0)
+  with pytest.raises(accounting.AccountingError):
+    PrivacyPlan(dataset_size=10, batch_size=2, sampling="poisson", steps=1,
+                noise_multiplier=1.0, delta=1e-5, releases=(-1.0,))
