@@ -201,6 +201,10 @@ def test_standardize_matches_the_keras_layer():
   np.testing.assert_allclose(np.asarray(layer(x)), private_stats.standardize(x, moments),
                              rtol=1e-6, atol=1e-6)
   assert np.all(private_stats.standardize(x, moments)[..., [0, 4]] == 0)  # dropped channels
+  in_place = x.astype(np.float16)
+  want = private_stats.standardize(in_place, moments, dtype=np.float16)
+  got = private_stats.standardize(in_place, moments, out=in_place)
+  assert got is in_place and np.array_equal(got, want)
 
 
 def test_bad_arguments_fail_loudly():

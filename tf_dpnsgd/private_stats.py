@@ -174,11 +174,13 @@ def _ledger(model) -> ledger_lib.PrivacyLedger:
 
 
 def standardize(features, moments: ChannelMoments, dtype=np.float32,
-                chunk_size: int = 4096) -> np.ndarray:
-  """``(features - mean) * scale`` per channel (last axis), in chunks, as ``dtype``."""
+                chunk_size: int = 4096, out: Optional[np.ndarray] = None) -> np.ndarray:
+  """``(features - mean) * scale`` per channel (last axis), in chunks (float32 arithmetic),
+  as ``dtype``; ``out`` (e.g. ``features`` itself, to save memory) receives the result."""
   mean = moments.mean.astype(np.float32)
   scale = moments.scale().astype(np.float32)
-  out = np.empty(features.shape, dtype)
+  if out is None:
+    out = np.empty(features.shape, dtype)
   for start in range(0, len(features), chunk_size):
     x = np.asarray(features[start:start + chunk_size], np.float32)
     out[start:start + chunk_size] = ((x - mean) * scale).astype(dtype)

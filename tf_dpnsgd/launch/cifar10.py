@@ -263,8 +263,9 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
     # any noise is drawn (tf_dpnsgd.private_stats); the plan composes it (cfg.releases).
     head = head_fn(feature_shape=f_train.shape[1:])
     moments, released = _feature_moments(f_train, head, FLAGS, cfg.model_dir)
-    f_train = private_stats.standardize(f_train, moments, dtype=np.float16)
-    f_test = private_stats.standardize(f_test, moments, dtype=np.float16)
+    # In place: the raw float16 features are not needed again (1.6 GB for CIFAR-10).
+    f_train = private_stats.standardize(f_train, moments, out=f_train)
+    f_test = private_stats.standardize(f_test, moments, out=f_test)
     extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=None,
                                                 channel_moments=moments)
     info.update({"feature_release": "new" if released else "reused from --model_dir",
