@@ -82,6 +82,7 @@ import threading
 
 import tensorflow as tf
 
+from tf_dpnsgd.per_example import dropout as dropout_lib
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import stateless
@@ -383,8 +384,8 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
 
   with tf.GradientTape(watch_accessed_variables=False) as tape:
     with stateless.NoStateWrites(model):  # only the seed generators may advance
-      with CallCapture(cov.plans, tape) as capture:
-        y_pred = model(x, training=True)
+      with CallCapture(cov.plans, tape) as capture, dropout_lib.PhiloxDropout(model):
+        y_pred = model(x, training=True)  # Dropout masks: Philox, drawn once (see dropout.py)
       losses = loss_fn(y, y_pred)
     check_variable_uses(capture, cov.plans)
     total = tf.reduce_sum(tf.cast(losses, tf.float32))
