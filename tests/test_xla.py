@@ -192,7 +192,7 @@ def oracle_noise(step, shapes, jit_compile):
     step_seed = tf.random.experimental.stateless_fold_in(generation,
                                                          tf.constant(step, tf.int64))
     return [tf.random.stateless_normal(shape, tf.random.experimental.stateless_fold_in(
-        step_seed, k)) for k, shape in enumerate(shapes)]
+        step_seed, k), alg="philox") for k, shape in enumerate(shapes)]
 
   return [d.numpy() for d in tf.function(draws, jit_compile=jit_compile)()]
 

@@ -10,7 +10,7 @@ The Keras optimizer (:class:`tf_dpnsgd.PrivateOptimizer`) holds the
 configuration and calls these functions.
 
 The noise for step ``t`` is a pure function of ``(key, t)`` (stateless
-Philox-based ``tf.random.stateless_normal``) where ``t`` is the model's
+``tf.random.stateless_normal`` with Philox named, :data:`NOISE_ALG`) where ``t`` is the model's
 privacy-ledger step (:mod:`tf_dpnsgd.ledger`), saved with the model's weights:
 a resumed run, a recompile or a new optimizer continues the stream and never
 repeats a draw, and two runs with the same user seed draw identical noise when both
@@ -97,7 +97,7 @@ def add_gaussian_noise(summed: Sequence[tf.Tensor], stddev: float,
   out = []
   for k, s in enumerate(summed):
     k_seed = tf.random.experimental.stateless_fold_in(seed, k)
-    z = tf.random.stateless_normal(tf.shape(s), seed=k_seed, dtype=tf.float32)
+    z = tf.random.stateless_normal(tf.shape(s), seed=k_seed, dtype=tf.float32, alg=NOISE_ALG)
     out.append(s + tf.cast(stddev * z, s.dtype))
   return out
 
@@ -146,12 +146,16 @@ def noised_unclipped_fraction(centered_count, clipped_count_stddev, denominator,
     Andrew et al. (2021), Algorithm 1 (``b~ = (sum_i b_i + N(0, sigma_b^2)) / m``);
     tensorflow-privacy ``QuantileEstimatorQuery`` (the +-1/2 centering).
   """
-  z = tf.random.stateless_normal([], seed=seed, dtype=tf.float32)
+  z = tf.random.stateless_normal([], seed=seed, dtype=tf.float32, alg=NOISE_ALG)
   noised = tf.cast(centered_count, tf.float32) + tf.cast(clipped_count_stddev, tf.float32) * z
   return noised / tf.cast(denominator, tf.float32) + 0.5
 
 
 # --- what the mechanism is configured with ----------------------------------------------
+# Philox named: the same draws as TensorFlow's default ("auto_select") without XLA, and
+# under XLA on CPU about 40x faster to run than the default's compiled generator (6.3 M
+# normals: 0.17 s vs 6.8-8.4 s, measured; README "XLA").
+NOISE_ALG = "philox"
 NOISE_TAG = 0x5EED  # separates the noise stream from other uses of the same seed
 COUNT_TAG = 0xC0C7  # adaptive clipping's count noise: a stream independent of the gradient's
 
