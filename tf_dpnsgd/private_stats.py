@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import keras
 import numpy as np
 
 from tf_dpnsgd import ledger as ledger_lib
@@ -164,7 +165,6 @@ def _ledger(model) -> ledger_lib.PrivacyLedger:
     return model
   if isinstance(getattr(model, "privacy_ledger", None), ledger_lib.PrivacyLedger):
     return model.privacy_ledger
-  import keras  # pylint: disable=import-outside-toplevel
   if isinstance(model, keras.Model):
     from tf_dpnsgd import training  # pylint: disable=import-outside-toplevel
     return training.base_ledger(model)
