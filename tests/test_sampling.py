@@ -197,6 +197,35 @@ def test_dataset_resumes_the_same_stream_and_matches_numpy_batches(cls):
   tf.nest.map_structure(np.testing.assert_array_equal, tail, again)
 
 
+@pytest.mark.parametrize("sampling_name", ["poisson", "uniform", "shuffle"])
+def test_replica_pipelines_deliver_exactly_the_split_global_batch(sampling_name):
+  """One pipeline per replica (``replica_id``) must hand replica r exactly the rows that
+  splitting the padded global batch into R equal shards gives it: the same examples, the
+  same masks and tags, the global denominator, step after step (oracle: the global stream
+  cut by hand)."""
+  n, replicas = 45, 3
+  x, y = toy_data(n)
+  s = sampling.make_sampler(sampling_name, n, 7, seed=8)
+  whole = list(s.dataset(x, y, num_steps=6, num_replicas=replicas).as_numpy_iterator())
+  shards = [list(s.dataset(x, y, start_step=0, num_steps=6, num_replicas=replicas,
+                           replica_id=r).as_numpy_iterator()) for r in range(replicas)]
+  assert len(whole) == 6 and all(len(sh) == 6 for sh in shards)
+  for step, global_batch in enumerate(whole):
+    rows = len(global_batch[0])
+    assert rows % replicas == 0
+    per = rows // replicas
+    for r in range(replicas):
+      cut = tf.nest.map_structure(lambda a, r=r: a[r * per:(r + 1) * per], global_batch)
+      tf.nest.map_structure(np.testing.assert_array_equal, shards[r][step], cut)
+    if sampling_name == "poisson":  # padding rows are masked in whichever shard they land
+      mask = np.concatenate([sh[step][2][DP_MASK_KEY] for sh in shards])
+      assert mask.sum() == len(s.indices(step))
+  with pytest.raises(ValueError, match="replica_id"):
+    s.dataset(x, y, num_replicas=replicas, replica_id=replicas)
+  with pytest.raises(ValueError, match="replica_id"):
+    s.dataset(x, y, num_replicas=replicas, replica_id=True)
+
+
 def test_nested_inputs():
   n = 40
   x, y = toy_data(n)

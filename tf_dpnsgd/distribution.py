@@ -143,5 +143,31 @@ def check_same_on_all_workers(strategy: tf.distribute.Strategy, value: int, what
         f"the same secret value on every worker.")
 
 
+def per_replica_dataset(strategy: tf.distribute.Strategy, make_dataset):
+  """One input pipeline per replica: ``make_dataset(r)`` yields replica ``r``'s shards.
+
+  ``strategy.distribute_datasets_from_function`` in ``PER_REPLICA`` mode: each
+  replica gathers only its own rows (``r`` in ``[0, R)``), instead of one
+  pipeline gathering the global batch and ``tf.distribute`` splitting it
+  (``benchmarks/input_pipeline.py`` measures both). What replica ``r`` receives
+  is the same either way. Single-worker strategies only (one process holds
+  every replica).
+
+  Raises:
+    ValueError: ``strategy`` spans several workers.
+  """
+  if is_multi_worker(strategy):
+    raise ValueError("per_replica_dataset needs a single-worker strategy (PER_REPLICA input "
+                     "pipelines); a multi-worker job splits one global pipeline per worker.")
+
+  def dataset_fn(context: tf.distribute.InputContext):
+    return make_dataset(int(context.input_pipeline_id))
+
+  options = tf.distribute.InputOptions(
+      experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+      experimental_place_dataset_on_device=False, experimental_fetch_to_device=True)
+  return strategy.distribute_datasets_from_function(dataset_fn, options=options)
+
+
 __all__ = ["broadcast_int", "check_same_on_all_workers", "is_chief", "is_multi_worker",
-           "num_replicas", "padded_rows"]
+           "num_replicas", "padded_rows", "per_replica_dataset"]

@@ -46,6 +46,8 @@ import json
 import math
 from typing import Optional
 
+import tensorflow as tf
+
 from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import coverage
@@ -300,7 +302,7 @@ class PrivacyPlan:
 
   # --- training helpers ------------------------------------------------------
   def dataset(self, x, y, start_step: Optional[int] = None, model=None,
-              num_replicas: Optional[int] = None):
+              num_replicas: Optional[int] = None, transform=None):
     """The sampler's infinite ``tf.data`` stream (see :meth:`fit_kwargs`).
 
     Args:
@@ -312,6 +314,18 @@ class PrivacyPlan:
       num_replicas: replicas the global batch is split over (default: those of
         ``model``'s strategy, else 1); the batch is padded with masked rows to
         a multiple of it (see :mod:`tf_dpnsgd.distribution`).
+      transform: optional ``fn(dataset, replica_id) -> dataset`` applied to
+        each pipeline's stream of ``(x, y, tags)`` batches (e.g. augmentation):
+        to the global stream with ``replica_id=None``, or to each replica's
+        shard with its id. It must keep the rows and the tags (the train step
+        checks them).
+
+    Returns:
+      A ``tf.data.Dataset`` of global batches; under ``model``'s single-worker
+      strategy with several replicas, a ``tf.distribute`` distributed dataset
+      with one pipeline per replica, each gathering only its own shard
+      (:func:`tf_dpnsgd.distribution.per_replica_dataset`; ``fit`` takes it
+      as it is). Either way replica ``r`` trains on the same rows.
 
     Raises:
       ValueError: under a multi-worker strategy, when this plan's sampler seed
@@ -332,7 +346,22 @@ class PrivacyPlan:
       def first():  # noqa: F811
         ledger.sync()
         return ledger.steps
-    return self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas)
+
+    def stream(replica):
+      data = self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas,
+                                  replica_id=replica)
+      if transform is None:
+        return data
+      data = transform(data, replica)
+      if not isinstance(data, tf.data.Dataset):
+        raise TypeError(f"`transform` must return a tf.data.Dataset; got {type(data)!r}.")
+      return data
+
+    if (strategy is not None and num_replicas > 1
+        and num_replicas == distribution.num_replicas(strategy)
+        and not distribution.is_multi_worker(strategy)):
+      return distribution.per_replica_dataset(strategy, stream)
+    return stream(None)
 
   def fit_kwargs(self, model=None, start_step: Optional[int] = None) -> dict:
     """``epochs``, ``steps_per_epoch`` and ``initial_epoch`` for ``model.fit``.

@@ -145,7 +145,10 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
     privacy_log_dir, privacy_state_path: the plan callback's ``log_dir`` and
       ``state_path`` (:class:`~tf_dpnsgd.callbacks.PrivacyCallback`).
     validation_data, verbose: as ``fit``.
-    augment_fn: a transformation of the batch stream (explicit path only).
+    augment_fn: ``fn(dataset, replica_id) -> dataset``, a transformation of the batch
+      stream (explicit path only): of each replica's pipeline under a one-process
+      strategy, else of the global stream (``replica_id=None``); see
+      :meth:`tf_dpnsgd.plan.PrivacyPlan.dataset`.
     progress_bar: add a :class:`StepProgbar` (for ``verbose``).
 
   Returns:
@@ -167,9 +170,7 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
       model.fit(x, y, validation_data=validation_data, callbacks=everything, verbose=verbose)
   else:
     data, fit_kwargs = _stream(model, x, y, plan, sampler, batch_size, shuffle_seed, start,
-                               total_steps)
-    if augment_fn is not None:
-      data = augment_fn(data)
+                               total_steps, augment_fn)
     fit_only_steps_to_run(fit_kwargs, total_steps)
     if start < total_steps:
       model.fit(data, validation_data=validation_data, callbacks=everything, verbose=verbose,
@@ -183,10 +184,11 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
                  report=None if plan is None else plan.report(model))
 
 
-def _stream(model, x, y, plan, sampler, batch_size, shuffle_seed, start, total_steps):
+def _stream(model, x, y, plan, sampler, batch_size, shuffle_seed, start, total_steps,
+            augment_fn):
   """``(dataset, fit_kwargs)`` of the explicit path, or of a run without a plan."""
   if plan is not None:
-    return plan.dataset(x, y, model=model), plan.fit_kwargs(model)
+    return plan.dataset(x, y, model=model, transform=augment_fn), plan.fit_kwargs(model)
   if sampler is not None:
     data, spe = sampler.dataset(x, y, start_step=start), sampler.steps_per_epoch
   else:
@@ -194,6 +196,8 @@ def _stream(model, x, y, plan, sampler, batch_size, shuffle_seed, start, total_s
     spe = max(1, n // batch_size)
     data = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=shuffle_seed)
             .repeat().batch(batch_size, drop_remainder=True))
+  if augment_fn is not None:
+    data = augment_fn(data, None)
   return data, {"epochs": max(1, math.ceil(total_steps / spe)), "steps_per_epoch": spe,
                 "initial_epoch": start // spe}
 

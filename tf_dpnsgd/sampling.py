@@ -264,7 +264,8 @@ class Sampler:
       yield xb, yb, tags
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
-              prefetch: int = 2, num_replicas: int = 1) -> tf.data.Dataset:
+              prefetch: int = 2, num_replicas: int = 1,
+              replica_id: Optional[int] = None) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of the batches from step ``start_step`` on (see :meth:`numpy_batches`).
 
     Every element has a static shape (``max_batch_size`` rows for Poisson),
@@ -279,6 +280,13 @@ class Sampler:
     it into equal static shards; a padded uniform/shuffle batch then carries
     ``dp_mask`` and ``dp_denominator = B`` too.
 
+    ``replica_id`` (``r`` in ``[0, R)``): only replica ``r``'s shard, rows
+    ``[r P / R, (r + 1) P / R)`` of the padded global batch ``P`` (what
+    ``tf.distribute`` would hand replica ``r``), gathered alone: one such
+    pipeline per replica (:func:`tf_dpnsgd.distribution.per_replica_dataset`)
+    replaces splitting one global pipeline. The tags and the denominator are
+    the global batch's.
+
     ``start_step`` may be a callable returning the step, read each time an
     iterator starts (a plan passes the model's ledger step: a ``fit`` after
     a restore, e.g. ``BackupAndRestore``, continues where the ledger is).
@@ -288,21 +296,23 @@ class Sampler:
     self._step_range(first_step(), num_steps)  # validates now rather than inside tf.data
     x_t = tf.nest.map_structure(_as_tensor, x)
     y_t = tf.nest.map_structure(_as_tensor, y)
-    rows = self._padded_rows(num_replicas)
+    padded = self._padded_rows(num_replicas)
+    shard = _shard_rows(padded, num_replicas, replica_id)
+    rows = shard.stop - shard.start
 
     def index_stream():
       # Every iteration of the dataset restarts at `start_step` (deterministic), so a peek
       # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
       for step in self._step_range(first_step(), num_steps):
-        idx, mask = self._replica_padded(step, rows)
-        yield np.int64(step), idx.astype(np.int64), (np.ones(rows, bool) if mask is None
-                                                      else mask)
+        idx, mask = self._replica_padded(step, padded)
+        mask = np.ones(padded, bool) if mask is None else mask
+        yield np.int64(step), idx[shard].astype(np.int64), mask[shard]
 
     indices = tf.data.Dataset.from_generator(
         index_stream, output_signature=(tf.TensorSpec([], tf.int64),
                                         tf.TensorSpec([rows], tf.int64),
                                         tf.TensorSpec([rows], tf.bool)))
-    with_mask = self.sampling == "poisson" or rows != self._rows_per_element
+    with_mask = self.sampling == "poisson" or padded != self._rows_per_element
     denominator = float(self.denominator) if with_mask else None
 
     kind = ledger_lib.KIND_CODES[self.sampling]
@@ -371,6 +381,22 @@ class Sampler:
   def denominator(self) -> float:
     """What the noised sum is divided by: ``B`` (``qN`` for Poisson)."""
     return float(self.batch_size)
+
+
+def _shard_rows(padded: int, num_replicas: int, replica_id: Optional[int]) -> slice:
+  """Rows of the padded global batch that replica ``replica_id`` trains on (all if None).
+
+  >>> _shard_rows(8, 2, 1), _shard_rows(8, 2, None)
+  (slice(4, 8, None), slice(0, 8, None))
+  """
+  if replica_id is None:
+    return slice(0, padded)
+  if isinstance(replica_id, bool) or not isinstance(replica_id, (int, np.integer)) \
+      or not 0 <= replica_id < num_replicas:
+    raise ValueError(f"`replica_id` must be an integer in [0, num_replicas={num_replicas}); "
+                     f"got {replica_id!r}.")
+  per = padded // num_replicas
+  return slice(int(replica_id) * per, (int(replica_id) + 1) * per)
 
 
 def _count(start):

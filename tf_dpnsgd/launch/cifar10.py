@@ -95,9 +95,9 @@ def planned_dataset_size(flag_values) -> int:
   return min(n, flag_values.max_train_examples or n)
 
 
-def pixels_to_float(dataset):
+def pixels_to_float(dataset, replica_id=None):  # pylint: disable=unused-argument
   """Casts the inputs of a ``(x, y, ...)`` stream to float32 (uint8 pixels, float16
-  features)."""
+  features); ``replica_id``: see :meth:`tf_dpnsgd.plan.PrivacyPlan.dataset`."""
   def cast(x, y, *rest):
     return (tf.cast(x, tf.float32), y) + tuple(rest)
   return dataset.map(cast)
@@ -225,10 +225,11 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
   def build_model():
     return cifar_lib.with_normalization(models.resnet20(groups=FLAGS.groups), name="resnet20_gn")
 
-  def augment_fn(dataset):
+  def augment_fn(dataset, replica_id):
     dataset = pixels_to_float(dataset)
-    if FLAGS.augment:
-      dataset = cifar_lib.augment_dataset(dataset, seed=cfg.seed)  # None: random
+    if FLAGS.augment:  # seed None: random; else one stream per replica's pipeline
+      seed = None if cfg.seed is None else cfg.seed + 7919 * (replica_id or 0)
+      dataset = cifar_lib.augment_dataset(dataset, seed=seed)
     return dataset
 
   def export_fn(model, export_dir):

@@ -488,7 +488,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     train, test: ``(x, y)`` with ``x`` an array or a dict of arrays.
     loss: a Keras loss (per-example losses are derived from it).
     export_fn: ``export_fn(model, export_dir)`` writes the serving SavedModel.
-    augment_fn: optional ``tf.data`` transformation of the training stream.
+    augment_fn: optional ``fn(dataset, replica_id)``: ``plan.dataset``'s ``transform``.
     extra_report: fields added to the privacy report (e.g. the preset).
     print_fn: called with ``(epoch, logs)`` at each epoch end.
     after_training: ``(model, plan, final_metrics) -> dict`` of fields added to the report
