@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/engine_ratio.py                       # 4 configs + sampler
+    python benchmarks/engine_ratio.py                       # 6 rows + sampler
     python benchmarks/engine_ratio.py --models=bert --jit=0 --steps=20
 
 Configurations: ResNet20-GN (CIFAR shapes) at batch 256 and a keras-hub BERT
@@ -10,7 +10,10 @@ of MiniLM-L6 size (6 layers, hidden 384, 12 heads, intermediate 1536, sequence
 128, random weights, no download) at batch 32 (the builders of
 ``benchmarks/per_example_engines.py``), each compiled with ``jit_compile``
 False and True. The DP model is ``tf_dpnsgd.make_private(per_example=
-"layerwise")`` with DPNSGD (noise multiplier 1).
+"layerwise")`` with DPNSGD (noise multiplier 1). BERT runs twice per
+``jit_compile`` value: with the engine's default budget for kept per-example
+gradients and with ``keep_per_example_mib=0`` (``--keep_mib``), the
+time-for-memory trade the user chooses.
 
 Time: one subprocess per configuration builds both models and alternates one
 plain and one DP ``train_on_batch`` on the same batch, ``--steps`` times after
@@ -44,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 BATCHES = {"resnet20": 256, "bert": 32}
 
 
-def _models(model_name, jit):
+def _models(model_name, jit, keep_mib=None):
   import keras
 
   import tf_dpnsgd
@@ -60,7 +63,7 @@ def _models(model_name, jit):
     return m
 
   def private():
-    m = tf_dpnsgd.make_private(make(), per_example="layerwise",
+    m = tf_dpnsgd.make_private(make(), per_example="layerwise", keep_per_example_mib=keep_mib,
                                trust_untagged_batches=True)  # timing: synthetic batches
     m.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.01, regularizer=0.1,
                                          noise_multiplier=1.0, seed=0),
@@ -70,10 +73,10 @@ def _models(model_name, jit):
   return plain, private, x, y, batch
 
 
-def time_child(model_name, jit, steps, warmup):
+def time_child(model_name, jit, steps, warmup, keep_mib=None):
   import tensorflow as tf
 
-  plain_fn, private_fn, x, y, batch = _models(model_name, jit)
+  plain_fn, private_fn, x, y, batch = _models(model_name, jit, keep_mib)
   plain, private = plain_fn(), private_fn()
   x = tf.nest.map_structure(tf.convert_to_tensor, x)
   y = tf.convert_to_tensor(y)
@@ -100,10 +103,10 @@ def time_child(model_name, jit, steps, warmup):
           "ratio": med["dp"] / med["plain"], "ratio_q1": q[0], "ratio_q3": q[2]}
 
 
-def memory_child(model_name, jit, which, steps):
+def memory_child(model_name, jit, which, steps, keep_mib=None):
   import tensorflow as tf
 
-  plain_fn, private_fn, x, y, _ = _models(model_name, jit)
+  plain_fn, private_fn, x, y, _ = _models(model_name, jit, keep_mib)
   model = plain_fn() if which == "plain" else private_fn()
   x = tf.nest.map_structure(tf.convert_to_tensor, x)
   y = tf.convert_to_tensor(y)
@@ -152,6 +155,10 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--memory_steps", type=int, default=3)
   parser.add_argument("--sampler_batches", type=int, default=50)
+  parser.add_argument("--keep_mib", default="default,0",
+                      help="keep_per_example_mib values of the DP model (MiB; 'default': the "
+                           "engine's budget); models without sequence layers (ResNet20-GN) "
+                           "keep nothing under any budget and run 'default' only")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
@@ -159,10 +166,11 @@ def main(argv=None):
 
   if args.child:
     kind, *rest = args.child.split(":")
+    keep = None if rest and rest[-1] == "default" else (float(rest[-1]) if rest else None)
     if kind == "time":
-      out = time_child(rest[0], rest[1] == "1", args.steps, args.warmup)
+      out = time_child(rest[0], rest[1] == "1", args.steps, args.warmup, keep)
     elif kind == "memory":
-      out = memory_child(rest[0], rest[1] == "1", rest[2], args.memory_steps)
+      out = memory_child(rest[0], rest[1] == "1", rest[2], args.memory_steps, keep)
     else:
       out = sampler_child(args.sampler_batches)
     print("RESULT " + json.dumps(out))
@@ -170,17 +178,20 @@ def main(argv=None):
 
   rows = []
   for model_name in args.models.split(","):
+    keeps = args.keep_mib.split(",") if model_name == "bert" else ["default"]
     for jit in args.jit.split(","):
-      row = {"model": model_name, "jit": jit == "1", "batch": BATCHES[model_name]}
-      row.update(_child(["--child", f"time:{model_name}:{jit}", "--steps", str(args.steps),
-                         "--warmup", str(args.warmup)]))
-      if args.memory_steps > 0:
-        for which in ("plain", "dp"):
-          mem = _child(["--child", f"memory:{model_name}:{jit}:{which}",
-                        "--memory_steps", str(args.memory_steps)])
-          row[f"{which}_rss_mib"] = mem.get("peak_rss_mib")
-      rows.append(row)
-      print(json.dumps(row), file=sys.stderr, flush=True)
+      for keep in keeps:
+        row = {"model": model_name, "jit": jit == "1", "batch": BATCHES[model_name],
+               "keep_mib": keep}
+        row.update(_child(["--child", f"time:{model_name}:{jit}:{keep}", "--steps",
+                           str(args.steps), "--warmup", str(args.warmup)]))
+        if args.memory_steps > 0:
+          for which in ("plain", "dp"):
+            mem = _child(["--child", f"memory:{model_name}:{jit}:{which}:{keep}",
+                          "--memory_steps", str(args.memory_steps)])
+            row[f"{which}_rss_mib"] = mem.get("peak_rss_mib")
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
   sampler = (_child(["--child", "sampler", "--sampler_batches", str(args.sampler_batches)])
              if args.sampler_batches > 0 else None)
 
@@ -189,16 +200,17 @@ def main(argv=None):
   print(f"\nCPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; "
         f"plain and DP steps alternated, medians over {args.steps} pairs after {args.warmup} "
         "warm-up pairs; peak RSS over a separate run of each.\n")
-  print("| model | batch | XLA | plain ms | DP ms | DP/plain | ratio IQR | plain peak MiB "
-        "| DP peak MiB | memory ratio |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("| model | batch | XLA | keep MiB | plain ms | DP ms | DP/plain | ratio IQR "
+        "| plain peak MiB | DP peak MiB | memory ratio |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
+    head = f"| {r['model']} | {r['batch']} | {r['jit']} | {r['keep_mib']} "
     if "error" in r:
-      print(f"| {r['model']} | {r['batch']} | {r['jit']} | failed: {r['error']} | | | | | | |")
+      print(f"{head}| failed: {r['error']} | | | | | | |")
       continue
     pm, dm = r.get("plain_rss_mib"), r.get("dp_rss_mib")
     mem = (f"{pm:.0f} | {dm:.0f} | {dm / pm:.2f}x" if pm and dm else "- | - | -")
-    print(f"| {r['model']} | {r['batch']} | {r['jit']} | {r['plain_ms']:.0f} | {r['dp_ms']:.0f} "
+    print(f"{head}| {r['plain_ms']:.0f} | {r['dp_ms']:.0f} "
           f"| {r['ratio']:.2f}x | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {mem} |")
   if sampler is not None:
     if "error" in sampler:

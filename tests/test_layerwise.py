@@ -700,3 +700,46 @@ def test_keras_hub_bert_fits_at_batch_64(optimizer):
   changed = [not np.array_equal(b, v.numpy())
              for b, v in zip(before, classifier.trainable_variables)]
   assert all(changed)  # noise reaches every variable; the classifier's weights are trained
+
+
+@pytest.mark.parametrize("keep_mib", [0, None, 1e-4])
+def test_keep_budget_changes_what_is_kept_never_the_result(keep_mib, monkeypatch):
+  """``keep_per_example_mib`` (0: keep nothing; None: the default budget; a budget smaller
+  than the gradient) decides which per-unit gradients the engine keeps between its passes;
+  the norms and the weighted sum must equal the per-example loop's every time."""
+  model = seq_model(keras.layers.Dense(6), (7, 5))
+  rng = np.random.default_rng(3)
+  x = tf.constant(rng.normal(size=(4, 7, 5)).astype("float32"))
+  y = tf.constant(rng.integers(0, 3, 4).astype("int32"))
+  granted = []
+  plan_keeping = factored.plan_keeping
+
+  def spy(reps, budget):
+    used = plan_keeping(reps, budget)
+    granted.append((budget, [r.keep for r in reps  # the candidates: sequence inputs (T > 1)
+                             if isinstance(r, factored.Outer) and r.keep_bytes() is not None]))
+    return used
+
+  monkeypatch.setattr(factored, "plan_keeping", spy)
+  engine = resolve_engine(model, "layerwise", keep_mib=keep_mib)
+  assert_matches_oracle(model, x, y, transform=transforms.Normalize(0.1), engine=engine)
+  (budget, kept), = granted
+  assert budget == (factored.KEEP_BYTES if keep_mib is None else int(keep_mib * 2 ** 20))
+  if keep_mib == 0:
+    assert kept and not any(kept)
+  elif keep_mib is None:
+    assert kept and all(kept)
+  else:  # 104 bytes: one [4, 6, 5] gradient of 480 bytes does not fit
+    assert kept and not any(kept)
+
+
+def test_keep_budget_is_validated_and_kept_in_the_config():
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+  for bad in (-1, float("inf"), float("nan"), "1", True):
+    with pytest.raises(ValueError, match="keep_per_example_mib"):
+      tf_dpnsgd.make_private(model, keep_per_example_mib=bad)
+  private = tf_dpnsgd.make_private(model, keep_per_example_mib=64)
+  assert private.get_config()["keep_per_example_mib"] == 64
+  again = tf_dpnsgd.DPModel.from_config(private.get_config())
+  assert again.get_config()["keep_per_example_mib"] == 64

@@ -176,11 +176,11 @@ class _DPTrainer:
   """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
 
   _dp_keys = ("per_example", "physical_batch_size", "num_microbatches",
-              "trust_untagged_batches", "public_state", "privacy_plan")
+              "trust_untagged_batches", "public_state", "privacy_plan", "keep_per_example_mib")
 
   def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None,
                       trust_untagged_batches=False, public_state=(), privacy_ledger=None,
-                      privacy_plan=None):
+                      privacy_plan=None, keep_per_example_mib=None):
     if num_microbatches is not None and (
         isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
         or num_microbatches < 1):
@@ -196,6 +196,7 @@ class _DPTrainer:
       raise ValueError(f"`physical_batch_size` must be a positive integer or None; "
                        f"got {physical_batch_size!r}.")
     self._dp_per_example = per_example_lib.validate_engine_name(per_example)
+    self._dp_keep_mib = per_example_lib.validate_keep_mib(keep_per_example_mib)
     self._dp_physical_batch_size = physical_batch_size
     if not isinstance(trust_untagged_batches, bool):
       raise ValueError(f"`trust_untagged_batches` must be a bool; got "
@@ -296,7 +297,8 @@ class _DPTrainer:
             "num_microbatches": self._dp_num_microbatches,
             "trust_untagged_batches": self._dp_trust_untagged,
             "public_state": list(self._dp_public_state),
-            "privacy_plan": owned_plan_lib.plan_config(self._dp_plan or self._dp_owned_plan)}
+            "privacy_plan": owned_plan_lib.plan_config(self._dp_plan or self._dp_owned_plan),
+            "keep_per_example_mib": self._dp_keep_mib}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
@@ -350,7 +352,8 @@ class _DPTrainer:
                     jit_compile=jit_compile, auto_scale_loss=False, **kwargs)
     if loss_scale is not None:  # restored by compile_from_config
       self._compile_config.config["loss_scale"] = self._dp_loss_scale
-    self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example)
+    self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example,
+                                                     keep_mib=self._dp_keep_mib)
     self._dp_guard.probe_pending = True  # probe the next batch
     if self._dp_owned_plan is not None and self._dp_plan is None \
         and self._dp_owned_plan.dataset_size is not None:
@@ -563,6 +566,12 @@ class DPModel(_DPTrainer, keras.Model):
       consecutive microbatches is the normalized/clipped unit
       (tensorflow-privacy's option); the denominator is the number of
       microbatches. Not with Poisson batches nor ``physical_batch_size``.
+    keep_per_example_mib: memory (MiB, all layers together) the layer-wise
+      engine may spend keeping per-example weight gradients between its norm
+      and its weighted-sum pass; faster where it keeps them (sequence
+      models), 0 for the least memory; default
+      :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES` (see
+      ``docs/per_example.md``, "Memory").
 
   Example::
 
@@ -575,11 +584,11 @@ class DPModel(_DPTrainer, keras.Model):
 
   def __init__(self, *args, per_example="auto", physical_batch_size=None, num_microbatches=None,
                trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
-               **kwargs):
+               keep_per_example_mib=None, **kwargs):
     super().__init__(*args, **kwargs)
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
                          trust_untagged_batches, public_state, privacy_ledger,
-                         privacy_plan)
+                         privacy_plan, keep_per_example_mib)
 
   def get_config(self):
     config = super().get_config()
@@ -601,12 +610,12 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
 
   def __init__(self, model, per_example="auto", physical_batch_size=None, num_microbatches=None,
                trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
-               **kwargs):
+               keep_per_example_mib=None, **kwargs):
     super().__init__(**kwargs)
     self.model = model
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
                          trust_untagged_batches, public_state, privacy_ledger,
-                         privacy_plan)
+                         privacy_plan, keep_per_example_mib)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
@@ -628,7 +637,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  num_microbatches=None, trust_untagged_batches=False, public_state=(), *,
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
                  epochs=None, steps=None, sampling=None, accountant=None,
-                 dataset_size=None, plan=None) -> keras.Model:
+                 dataset_size=None, plan=None, keep_per_example_mib=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -656,6 +665,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       epoch" as not covered.
     public_state: names of layers whose data-derived state (e.g. an adapted
       ``Normalization``) the user declares public; listed by the report.
+    keep_per_example_mib: the layer-wise engine's memory for kept per-example
+      gradients (see :class:`DPModel`).
     target_epsilon / noise_multiplier, delta, batch_size, epochs / steps,
       sampling, accountant, dataset_size: the privacy plan the model owns
       (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``sampling``
@@ -684,7 +695,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
   object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
                  num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
-                 public_state=public_state, privacy_ledger=ledger, privacy_plan=owned)
+                 public_state=public_state, privacy_ledger=ledger, privacy_plan=owned,
+                 keep_per_example_mib=keep_per_example_mib)
   if inputs is not None and outputs is not None:
     return DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
   logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)

@@ -32,6 +32,7 @@ Engines (``per_example=`` on ``DPModel`` / ``make_private``):
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import tensorflow as tf
@@ -146,12 +147,31 @@ def check_vectorized(model) -> None:
         + vectorized.ONEDNN_ADVICE)
 
 
-def resolve_engine(model, name: str):
+def validate_keep_mib(mib):
+  """``keep_per_example_mib``: None (the default budget) or a finite number >= 0."""
+  if mib is None:
+    return None
+  if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 <= mib < float("inf"):
+    raise ValueError(f"`keep_per_example_mib` must be a number >= 0 (MiB) or None; got "
+                     f"{mib!r}.")
+  return mib
+
+
+def _with_keep_budget(engine, keep_mib):
+  """``engine`` with the layer-wise engine's keep budget bound (other engines ignore it)."""
+  if keep_mib is None or engine is not layerwise_engine:
+    return engine
+  return functools.partial(layerwise_engine, keep_bytes=int(keep_mib * 2 ** 20))
+
+
+def resolve_engine(model, name: str, keep_mib=None):
   """Returns the engine function for ``model``; ``"auto"`` logs its choice once.
 
   ``"auto"`` runs the microbatch engine on ragged inputs (the only exact one
   for them; :func:`_microbatch_for_ragged_inputs`); its choice for dense
-  inputs is the returned function's ``dense_engine``.
+  inputs is the returned function's ``dense_engine``. ``keep_mib``: the
+  layer-wise engine's budget for kept per-example gradients (MiB; None: the
+  default :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`).
 
   Raises:
     UnsupportedLayerError: for ``"layerwise"`` when some trainable variable
@@ -165,12 +185,12 @@ def resolve_engine(model, name: str):
   if name == "vectorized":
     check_vectorized(model)
   if name != "auto":
-    return ENGINES[name]
+    return _with_keep_budget(ENGINES[name], keep_mib)
   chosen, why = choose_engine(model)
   if chosen == "layerwise":
     _log.info("per_example='auto' chose the layer-wise engine for model '%s': %s.",
               model.name, why)
-    return _microbatch_for_ragged_inputs(ENGINES[chosen])
+    return _microbatch_for_ragged_inputs(_with_keep_budget(ENGINES[chosen], keep_mib))
   if chosen == "microbatch":
     _log.warning("per_example='auto' chose the microbatch engine (slowest) for model '%s' "
                  "because there is %s. Register layer-wise rules for the other layers, or set "
@@ -187,4 +207,5 @@ def resolve_engine(model, name: str):
 
 __all__ = ["DEFAULT_REGISTRY", "EngineOutput", "ENGINES", "ENGINE_NAMES", "LayerRule",
            "UnsupportedLayerError", "check_vectorized", "choose_engine", "layerwise_engine",
-           "microbatch_engine", "registry", "resolve_engine", "validate_engine_name", "vectorized_engine"]
+           "microbatch_engine", "registry", "resolve_engine", "validate_engine_name",
+           "validate_keep_mib", "vectorized_engine"]

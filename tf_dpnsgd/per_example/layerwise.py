@@ -353,7 +353,7 @@ def check_coverage(model, registry=None) -> registry_lib.Coverage:
 
 @tf.autograph.experimental.do_not_convert
 def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
-                     registry=None) -> EngineOutput:
+                     registry=None, keep_bytes=None) -> EngineOutput:
   """Transformed sum of per-unit gradients from one forward and one backward pass.
 
   Args:
@@ -367,6 +367,9 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
       loss's gradient).
     registry: the layer rules (default
       :data:`~tf_dpnsgd.per_example.registry.DEFAULT_REGISTRY`).
+    keep_bytes: budget for per-unit gradients kept from the norm pass to the
+      weighted sum (:func:`~tf_dpnsgd.per_example.factored.plan_keeping`;
+      default :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`).
 
   Returns:
     :class:`EngineOutput`; ``summed`` is aligned with ``model.trainable_variables``.
@@ -407,7 +410,8 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
 
   if reps:
     # Per-unit gradients kept for the weighted sum (saves its T p q products), within a budget.
-    factored.plan_keeping([r for _, r in reps.values()])
+    factored.plan_keeping([r for _, r in reps.values()],
+                          factored.KEEP_BYTES if keep_bytes is None else keep_bytes)
     parts = []
     for v, r in reps.values():
       with tf.name_scope("norm_" + _var_scope(v)):
