@@ -226,6 +226,30 @@ def test_replica_pipelines_deliver_exactly_the_split_global_batch(sampling_name)
     s.dataset(x, y, num_replicas=replicas, replica_id=True)
 
 
+def test_dataset_stops_at_the_overflowing_step_like_the_step_by_step_stream():
+  """The dataset draws its steps' indices in blocks (sampling.STEPS_PER_BLOCK); a Poisson
+  batch that overflows in the middle of a block must still deliver every step before it,
+  then raise, exactly as the step-by-step numpy stream (the oracle) does."""
+  n = 60
+  x, y = toy_data(n)
+  s = sampling.PoissonSampler(n, 10, seed=5, max_batch_size=11)
+  sizes = [len(s.indices(t)) for t in range(40)]
+  first = next(t for t, k in enumerate(sizes) if k > 11)
+  assert first % sampling.STEPS_PER_BLOCK != 0  # mid-block: the case under test
+  expected = []
+  with pytest.raises(sampling.PoissonOverflowError, match=f"step {first}"):
+    for batch in s.numpy_batches(x, y, num_steps=40):
+      expected.append(batch)
+  got = []
+  with pytest.raises(tf.errors.OpError, match=f"step {first}"):
+    for batch in s.dataset(x, y, num_steps=40).as_numpy_iterator():
+      got.append(batch)
+  assert len(got) == len(expected) == first
+  for a, b in zip(got, expected):
+    tf.nest.map_structure(np.testing.assert_array_equal, a,
+                          tf.nest.map_structure(np.asarray, b))
+
+
 def test_nested_inputs():
   n = 40
   x, y = toy_data(n)

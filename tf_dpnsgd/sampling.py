@@ -58,6 +58,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import ClassVar, Iterator, Optional
 
 import numpy as np
@@ -300,18 +301,38 @@ class Sampler:
     shard = _shard_rows(padded, num_replicas, replica_id)
     rows = shard.stop - shard.start
 
+    def one(step):
+      idx, mask = self._replica_padded(step, padded)
+      mask = np.ones(padded, bool) if mask is None else mask
+      return step, idx[shard].astype(np.int64), mask[shard]
+
     def index_stream():
       # Every iteration of the dataset restarts at `start_step` (deterministic), so a peek
       # by Keras does not consume steps; `fit` keeps one iterator when `steps_per_epoch` is set.
-      for step in self._step_range(first_step(), num_steps):
-        idx, mask = self._replica_padded(step, padded)
-        mask = np.ones(padded, bool) if mask is None else mask
-        yield np.int64(step), idx[shard].astype(np.int64), mask[shard]
+      # Steps come in blocks of up to STEPS_PER_BLOCK (one Python call each, unbatched in
+      # tf.data); a step that raises (Poisson overflow) ends its block after the steps
+      # before it, then raises on the next call, exactly where a step-by-step stream would.
+      steps = self._step_range(first_step(), num_steps)
+      while True:
+        block, error = [], None
+        for step in itertools.islice(steps, STEPS_PER_BLOCK):
+          try:
+            block.append(one(step))
+          except PoissonOverflowError as e:
+            error = e
+            break
+        if block:
+          yield (np.array([b[0] for b in block], np.int64), np.stack([b[1] for b in block]),
+                 np.stack([b[2] for b in block]))
+        if error is not None:
+          raise error
+        if len(block) < STEPS_PER_BLOCK:
+          return
 
     indices = tf.data.Dataset.from_generator(
-        index_stream, output_signature=(tf.TensorSpec([], tf.int64),
-                                        tf.TensorSpec([rows], tf.int64),
-                                        tf.TensorSpec([rows], tf.bool)))
+        index_stream, output_signature=(tf.TensorSpec([None], tf.int64),
+                                        tf.TensorSpec([None, rows], tf.int64),
+                                        tf.TensorSpec([None, rows], tf.bool))).unbatch()
     with_mask = self.sampling == "poisson" or padded != self._rows_per_element
     denominator = float(self.denominator) if with_mask else None
 
@@ -381,6 +402,11 @@ class Sampler:
   def denominator(self) -> float:
     """What the noised sum is divided by: ``B`` (``qN`` for Poisson)."""
     return float(self.batch_size)
+
+
+#: Steps whose indices one call of the dataset's Python generator draws (fewer Python
+#: calls per step: the per-replica pipelines of a strategy each run one generator).
+STEPS_PER_BLOCK = 8
 
 
 def _shard_rows(padded: int, num_replicas: int, replica_id: Optional[int]) -> slice:
