@@ -28,11 +28,9 @@ def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path,
   assert rep["private"] and rep["sampling"] == "poisson" and rep["steps"] == 2
   assert rep["dataset_size"] == 60 and rep["not_covered"] == []
   assert rep["model"] == config.split("_dp")[0] and rep["feature_cache_hit"] is False
-  if config.startswith("scatter_linear"):
-    # Normalized with released statistics, inside the epsilon.
-    assert "released" in rep["feature_normalization"] and rep["feature_release"] == "new"
-  else:
-    assert "GroupNorm" in rep["feature_normalization"]
+  # Normalized with released statistics, inside the epsilon; an image and its mirror image.
+  assert "released" in rep["feature_normalization"] and rep["feature_release"] == "new"
+  assert rep["feature_views"] == ["identity", "flip"]
   assert rep["epsilon"] <= 3.0 + 1e-9
   with open(run / "export_check.json") as f:
     check = json.load(f)
@@ -59,6 +57,9 @@ def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path,
 @pytest.mark.parametrize("args, message", [
     (["--model=scatter_linear", "--augment"], "--augment needs --model=resnet20"),
     (["--model=scatter_cnn", "--feature_groups=10"], "--feature_groups"),
+    (["--model=scatter_linear", "--feature_views=identity,rotate"], "--feature_views: Unknown"),
+    (["--model=scatter_linear", "--feature_views=flip,flip"], "--feature_views: Views repeat"),
+    (["--model=resnet20", "--feature_views=identity,flip"], "--feature_views is for the"),
 ])
 def test_scatter_flag_errors_are_one_line(tmp_path, args, message):
   write_image_folder(tmp_path / "data", per_class=(2, 1))
@@ -95,3 +96,36 @@ def test_private_data_normalization_is_released_once_accounted_and_exported(tmp_
   assert again["feature_release"] == "reused from --model_dir" and again["steps"] == 3
   with open(run / "feature_moments.json") as f:
     assert json.load(f) == moments
+
+
+@pytest.mark.slow
+def test_feature_views_train_one_gradient_per_example_and_export_the_views_mean(tmp_path):
+  """--feature_views: one model over the views (weights shared), released statistics of the
+  first view inside the epsilon, the export on raw pixels predicts what the features did, and
+  each view's features are cached."""
+  write_image_folder(tmp_path / "data", per_class=(6, 3))
+  args = [f"--flagfile={ROOT}/configs/cifar10/scatter_linear_dpnsgd_eps3.flags",
+          f"--data_dir={tmp_path}/data", f"--feature_cache_dir={tmp_path}/cache",
+          "--feature_views=identity,flip", *TINY]
+  run, export = tmp_path / "run", tmp_path / "export"
+  launch("tf_dpnsgd.launch.cifar10", *args, f"--model_dir={run}", f"--export_dir={export}")
+  rep = report(run)
+  assert rep["feature_views"] == ["identity", "flip"]
+  assert rep["feature_release"] == "new" and rep["epsilon"] <= 3.0 + 1e-9
+  assert rep["not_covered"] == [] and rep["feature_cache_hit"] is False
+  with open(run / "export_check.json") as f:
+    check = json.load(f)
+  assert check["raw_pixel_test_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
+                                                           abs=1e-6)
+  # The export averages the logits of an image and of its mirror image, so it must give a
+  # mirrored image exactly the same logits (an invariance no single view has).
+  import tensorflow as tf
+  from tf_dpnsgd.data import cifar10
+  _, (x_test, _) = cifar10.load_cifar10(tmp_path / "data")
+  serve = tf.saved_model.load(str(export)).signatures["serving_uint8"]
+  logits = serve(images=tf.constant(x_test[:4]))["logits"].numpy()
+  mirrored = serve(images=tf.constant(x_test[:4, :, ::-1]))["logits"].numpy()
+  assert logits.shape == (4, 10) and np.ptp(logits) > 0
+  np.testing.assert_allclose(mirrored, logits, rtol=1e-6, atol=1e-6)
+  launch("tf_dpnsgd.launch.cifar10", *args, f"--model_dir={tmp_path}/run2")
+  assert report(tmp_path / "run2")["feature_cache_hit"] is True

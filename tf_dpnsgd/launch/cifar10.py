@@ -16,11 +16,14 @@ Models (--model):
   * resnet20: ResNet20 with GroupNorm on the pixels, normalized per channel inside the
     model.
   * scatter_linear, scatter_cnn: a fixed scattering transform (J=2, L=8: 243 maps of 8x8,
-    no weights) and a per-example GroupNorm of the features (no weights either), then a
-    linear layer or Tramer and Boneh's small CNN (tf_dpnsgd.models.scatternet). The
-    normalized features are computed once (and kept in --feature_cache_dir if given)
-    and DP training runs on the head, which is the same training: the features have
-    no weights. No statistic of the training data is used for normalization.
+    no weights), the features normalized per example (GroupNorm, no weights, no privacy
+    cost) or per channel by training-set statistics released with the Gaussian mechanism
+    (--feature_normalization=private_data, inside the epsilon), then a linear layer or
+    Tramer and Boneh's small CNN (tf_dpnsgd.models.scatternet). The features are computed
+    once (and kept in --feature_cache_dir if given) and DP training runs on the head, which
+    is the same training: the features have no weights. --feature_views=identity,flip,...
+    computes them for fixed views of each image; each example's loss is then the mean over
+    its views (augmentation multiplicity) and prediction averages the views' logits.
 
 Every exported SavedModel takes raw 0-255 images; for the scattering models the launcher
 also checks the export's accuracy on the raw test images against the feature-based one.
@@ -46,6 +49,7 @@ from tf_dpnsgd.data import cache as cache_lib
 from tf_dpnsgd.data import cifar10 as cifar_lib
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.models import scatternet
+from tf_dpnsgd.models import views as views_lib
 
 MODELS = ("resnet20", "scatter_linear", "scatter_cnn")
 SCATTER_HEADS = {"scatter_linear": scatternet.scatter_linear,
@@ -76,6 +80,11 @@ flags.DEFINE_float("feature_norm_mean_clip", 1.0, "--feature_normalization=priva
                    "bound of one example's per-channel feature means.")
 flags.DEFINE_float("feature_norm_square_clip", 1.5, "--feature_normalization=private_data: L2 "
                    "bound of one example's per-channel feature mean squares.")
+flags.DEFINE_list("feature_views", ["identity"], "Scattering models: fixed views of each "
+                  "image (" + ", ".join(views_lib.VIEWS) + "); with several, each example's "
+                  "loss is the mean over its views (augmentation multiplicity: one per-example "
+                  "gradient, same sensitivity) and prediction averages the views' logits "
+                  "(tf_dpnsgd.models.views).")
 flags.DEFINE_string("feature_cache_dir", None, "Scattering models: keep decoded image folders "
                     "and scattering features here, keyed by the data's checksum (holds data "
                     "derived from the training set: keep it private). None: no cache.")
@@ -197,6 +206,9 @@ def main(argv):
   del argv
   cfg = common.config_from_flags()
   FLAGS = flags.FLAGS
+  if FLAGS.model == "resnet20" and list(FLAGS.feature_views) != ["identity"]:
+    raise common.LaunchError("--feature_views is for the scattering models; resnet20 "
+                             "augments with --augment.")
   if FLAGS.augment and FLAGS.model != "resnet20":
     raise common.LaunchError(f"--augment needs --model=resnet20: --model={FLAGS.model} trains "
                              "on scattering features computed once from the unaugmented "
@@ -243,28 +255,62 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
                     "augment": FLAGS.augment, "groups": FLAGS.groups})
 
 
+def _view_features(extractor, x_train, x_test, names, cache_dir):
+  """The extractor's features of each view of both splits, ``[N, V, ...]`` (float16); one view:
+  ``[N, ...]``. Each view is cached on its own (its images' checksum is the key)."""
+  if names == ("identity",):
+    return scattering_features(extractor, x_train, x_test, cache_dir)
+  f_train = f_test = None
+  info = {"feature_cache_hit": True, "feature_seconds": 0.0}
+  for v, name in enumerate(names):
+    view = views_lib.VIEWS[name]
+    tr, te, one = scattering_features(extractor, views_lib.apply_view_numpy(x_train, view),
+                                      views_lib.apply_view_numpy(x_test, view), cache_dir)
+    if f_train is None:
+      f_train = np.empty((len(tr), len(names)) + tr.shape[1:], tr.dtype)
+      f_test = np.empty((len(te), len(names)) + te.shape[1:], te.dtype)
+    f_train[:, v], f_test[:, v] = tr, te
+    del tr, te
+    info["feature_cache_hit"] &= one["feature_cache_hit"]
+    info["feature_seconds"] += one.get("feature_seconds", 0.0)
+  info["feature_seconds"] = round(info["feature_seconds"], 1)
+  return f_train, f_test, info
+
+
 def _run_scatter(cfg, FLAGS, train, test, loss):
   (x_train, y_train), (x_test, y_test) = train, test
   private_data = FLAGS.feature_normalization == "private_data"
   groups = None if private_data else FLAGS.feature_groups
   try:
+    names = views_lib.check_views(FLAGS.feature_views)
     extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=groups)
-  except ValueError as e:  # e.g. groups not dividing the channels
-    raise common.LaunchError(f"--feature_groups: {e}") from None
-  f_train, f_test, info = scattering_features(extractor, x_train, x_test,
-                                              FLAGS.feature_cache_dir)
-  head_fn = SCATTER_HEADS[FLAGS.model]
-  built = []
+  except ValueError as e:  # e.g. groups not dividing the channels, an unknown view
+    flag = "--feature_views" if "view" in str(e) else "--feature_groups"
+    raise common.LaunchError(f"{flag}: {e}") from None
+  f_train, f_test, info = _view_features(extractor, x_train, x_test, names,
+                                         FLAGS.feature_cache_dir)
+  multi = len(names) > 1
+  feature_shape = f_train.shape[2:] if multi else f_train.shape[1:]
+  metrics = ("accuracy",)
+  if multi:
+    loss, metrics = views_lib.view_mean_loss(), (views_lib.ViewMeanAccuracy(),)
 
+  def new_model():
+    head = SCATTER_HEADS[FLAGS.model](feature_shape=feature_shape)
+    return views_lib.multi_view(head, len(names)) if multi else head
+
+  built = []
   if private_data:
     if cfg.distribution_strategy != "none":
       raise common.LaunchError("--feature_normalization=private_data builds the model before "
                                "the strategy exists; use --distribution_strategy=none.")
-    # The release is recorded in the ledger of the head that will be made private, before
+    # The release is recorded in the ledger of the model that will be made private, before
     # any noise is drawn (tf_dpnsgd.private_stats); the plan composes it (cfg.releases).
-    head = head_fn(feature_shape=f_train.shape[1:])
-    moments, released = _feature_moments(f_train, head, FLAGS, cfg.model_dir)
-    # In place: the raw float16 features are not needed again (1.6 GB for CIFAR-10).
+    # With several views, the statistics are those of the first view's features.
+    model = new_model()
+    moments, released = _feature_moments(f_train[:, 0] if multi else f_train, model, FLAGS,
+                                         cfg.model_dir)
+    # In place: the raw float16 features are not needed again (1.6 GB per view for CIFAR-10).
     f_train = private_stats.standardize(f_train, moments, out=f_train)
     f_test = private_stats.standardize(f_test, moments, out=f_test)
     extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=None,
@@ -275,30 +321,31 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
                  "feature_channels_kept": int(np.sum(moments.variance > 0))})
     normalization = (f"per-channel standardization by released training-set statistics "
                      f"(Gaussian, noise multiplier {moments.noise_multiplier:g}, 2 releases)")
-    built.append(head)
+    built.append(model)
   else:
     normalization = f"per-example GroupNorm ({groups} groups, no affine)"
 
   def build_model():
-    if built:  # the head whose ledger holds the release; built once
+    if built:  # the model whose ledger holds the release; built once
       return built.pop()
     if private_data:
       raise common.LaunchError("--feature_normalization=private_data: the model was built "
                                "twice; a second model would not hold the release.")
-    return head_fn(feature_shape=f_train.shape[1:])
+    return new_model()
 
   def export_fn(model, export_dir):
-    export_lib.export_image_classifier(scatternet.on_raw_pixels(model, extractor), export_dir,
-                                       mean=None, std=None)
+    full = (views_lib.on_raw_pixels(model, extractor, names) if multi
+            else scatternet.on_raw_pixels(model, extractor))
+    export_lib.export_image_classifier(full, export_dir, mean=None, std=None)
 
   extra = {"dataset": "cifar10", "model": FLAGS.model, "features": "scattering J=2 L=8 order 2",
-           "feature_normalization": normalization, **info}
+           "feature_normalization": normalization, "feature_views": list(names), **info}
   # Training features stay float16 in memory (the sampler holds a copy too); each batch
   # becomes float32 in the input pipeline, exactly (they are float16 values).
   record = common.run_experiment(cfg, build_model, (f_train, y_train),
                                  (f_test.astype(np.float32), y_test), loss=loss,
-                                 export_fn=export_fn, augment_fn=pixels_to_float,
-                                 extra_report=extra)
+                                 metrics=metrics, export_fn=export_fn,
+                                 augment_fn=pixels_to_float, extra_report=extra)
   if cfg.export_dir and os.path.isdir(cfg.export_dir):
     accuracy = check_export(cfg.export_dir, x_test, y_test)
     print(f"export check: accuracy {accuracy:.4f} on raw test images "
