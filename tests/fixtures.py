@@ -224,3 +224,30 @@ def tiny_image_model(input_shape=(8, 8, 3), num_classes=3, name="tiny_cnn"):
   x = keras.layers.Activation("relu")(x)
   x = keras.layers.GlobalAveragePooling2D()(x)
   return keras.Model(inputs, keras.layers.Dense(num_classes, name="logits")(x), name=name)
+
+
+def normalized_sum_by_loop(variables, example_loss, num_examples: int, r: float):
+  """Oracle for a DP-NSGD engine: each example's gradient from its own tape of
+  ``example_loss(i)``, its norm, and ``sum_i g_i / (r + ||g_i||)`` (float64).
+
+  Returns:
+    ``(norms, summed)``: a list of ``num_examples`` floats, a list of arrays shaped like
+    ``variables``.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  norms, summed = [], [np.zeros(v.shape) for v in variables]
+  for i in range(num_examples):
+    with tf.GradientTape() as tape:
+      loss = example_loss(i)
+    grads = [g.numpy().astype(np.float64) for g in tape.gradient(loss, variables)]
+    norm = float(np.sqrt(sum(np.sum(g**2) for g in grads)))
+    norms.append(norm)
+    summed = [s + g / (r + norm) for s, g in zip(summed, grads)]
+  return norms, summed
+
+
+def assert_engine_output(out, norms, summed, norm_rtol=1e-4, sum_rtol=1e-3, sum_atol=1e-6):
+  """An engine's ``EngineOutput`` against :func:`normalized_sum_by_loop`'s oracle."""
+  np.testing.assert_allclose(out.norms.numpy(), norms, rtol=norm_rtol)
+  for got, expected in zip(out.summed, summed):
+    np.testing.assert_allclose(got.numpy(), expected, rtol=sum_rtol, atol=sum_atol)

@@ -13,6 +13,9 @@ from tf_dpnsgd.models import Scattering2D
 from tf_dpnsgd.models import scatternet
 from tf_dpnsgd.per_example import layerwise_engine
 
+from fixtures import assert_engine_output
+from fixtures import normalized_sum_by_loop
+
 
 def _pixels(n, seed=0):
   return np.random.default_rng(seed).integers(0, 256, (n, 32, 32, 3)).astype(np.float32)
@@ -84,17 +87,10 @@ def test_layerwise_per_example_gradients_match_a_loop(head):
   transform = transforms.Normalize(0.5)
   out = layerwise_engine(model, losses_lib.per_example_loss_fn(xent), tf.constant(x),
                          tf.constant(y), transform)
-  norms, summed = [], [np.zeros(v.shape) for v in model.trainable_variables]
-  for i in range(5):
-    with tf.GradientTape() as tape:
-      loss = xent(y[i:i + 1], model(x[i:i + 1], training=True))
-    grads = [g.numpy().astype(np.float64) for g in tape.gradient(loss, model.trainable_variables)]
-    norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-    norms.append(norm)
-    summed = [s + g / (0.5 + norm) for s, g in zip(summed, grads)]
-  np.testing.assert_allclose(out.norms.numpy(), norms, rtol=1e-4)
-  for got, expected in zip(out.summed, summed):
-    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-3, atol=1e-6)
+  norms, summed = normalized_sum_by_loop(
+      model.trainable_variables,
+      lambda i: xent(y[i:i + 1], model(x[i:i + 1], training=True)), 5, r=0.5)
+  assert_engine_output(out, norms, summed)
 
 
 @pytest.mark.slow
