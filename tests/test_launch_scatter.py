@@ -111,8 +111,7 @@ def test_feature_views_train_one_gradient_per_example_and_export_the_views_mean(
   run, export = tmp_path / "run", tmp_path / "export"
   launch("tf_dpnsgd.launch.cifar10", *args, f"--model_dir={run}", f"--export_dir={export}")
   rep = report(run)
-  views = ["identity"] if config.startswith("scatter_cnn") else ["identity", "flip"]
-  assert rep["feature_views"] == views
+  assert rep["feature_views"] == ["identity", "flip"]
   assert rep["feature_release"] == "new" and rep["epsilon"] <= 3.0 + 1e-9
   assert rep["not_covered"] == [] and rep["feature_cache_hit"] is False
   with open(run / "export_check.json") as f:
