@@ -99,3 +99,31 @@ def test_raw_pixel_model_averages_the_views_logits():
   np.testing.assert_allclose(full(x).numpy(), want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="takes"):
     views.on_raw_pixels(model, extractor, ("identity", "flip"))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e6])
+def test_multi_view_contribution_stays_within_the_sensitivity_on_opposed_views(scale):
+  """Attack: two views of one example that nearly cancel (x and -(1 - 1e-6) x, large
+  magnitude), so the per-view gradients nearly cancel in the example's mean. The engine's
+  norm must not understate the float64 norm from a tape, and each normalized contribution
+  must stay within norm 1 (DP-NSGD's sensitivity)."""
+  base = scatternet.scatter_linear(feature_shape=(2, 2, 3))
+  model = views.multi_view(base, 2)
+  rng = np.random.default_rng(7)
+  x0 = rng.normal(size=(4, 2, 2, 3)) * scale
+  x = np.stack([x0, -(1 - 1e-6) * x0], axis=1).astype(np.float32)
+  y = rng.integers(0, 10, 4).astype(np.int32)
+  out = layerwise_engine(model, losses_lib.per_example_loss_fn(views.view_mean_loss()),
+                         tf.constant(x), tf.constant(y), transforms.Normalize(1e-6))
+  xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def example_loss(i):
+    return (xent(y[i:i + 1], base(x[i:i + 1, 0])) + xent(y[i:i + 1], base(x[i:i + 1, 1]))) / 2
+
+  norms, _ = normalized_sum_by_loop(base.trainable_variables, example_loss, 4, r=1e-6)
+  got = out.norms.numpy()
+  assert np.all(got >= np.asarray(norms) * (1 - 1e-3))  # never understated
+  # Each example's normalized contribution g_i / (r + ||g_i||) has norm <= 1, so the sum of
+  # 4 has norm <= 4.
+  total = np.sqrt(sum(np.sum(np.square(s.numpy().astype(np.float64))) for s in out.summed))
+  assert total <= 4 * (1 + 1e-5)
