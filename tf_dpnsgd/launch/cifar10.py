@@ -283,10 +283,12 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
   groups = None if private_data else FLAGS.feature_groups
   try:
     names = views_lib.check_views(FLAGS.feature_views)
+  except ValueError as e:  # an unknown or repeated view
+    raise common.LaunchError(f"--feature_views: {e}") from None
+  try:
     extractor = scatternet.scattering_extractor(input_shape=x_train.shape[1:], groups=groups)
-  except ValueError as e:  # e.g. groups not dividing the channels, an unknown view
-    flag = "--feature_views" if "view" in str(e) else "--feature_groups"
-    raise common.LaunchError(f"{flag}: {e}") from None
+  except ValueError as e:  # e.g. groups not dividing the channels
+    raise common.LaunchError(f"--feature_groups: {e}") from None
   f_train, f_test, info = _view_features(extractor, x_train, x_test, names,
                                          FLAGS.feature_cache_dir)
   multi = len(names) > 1
