@@ -61,6 +61,10 @@ def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path,
     (["--model=scatter_linear", "--feature_views=identity,rotate"], "--feature_views: Unknown"),
     (["--model=scatter_linear", "--feature_views=flip,flip"], "--feature_views: Views repeat"),
     (["--model=resnet20", "--feature_views=identity,flip"], "--feature_views is for the"),
+    (["--model=scatter_linear", "--feature_norm_variance_floor=1"],
+     "--feature_norm_variance_floor needs --feature_normalization=private_data"),
+    (["--model=scatter_linear", "--feature_normalization=private_data",
+      "--feature_norm_variance_floor=-1"], "--feature_norm_variance_floor: The variance floor"),
 ])
 def test_scatter_flag_errors_are_one_line(tmp_path, args, message):
   write_image_folder(tmp_path / "data", per_class=(2, 1))
@@ -86,6 +90,11 @@ def test_private_data_normalization_is_released_once_accounted_and_exported(tmp_
   with open(run / "feature_moments.json") as f:
     moments = json.load(f)
   assert moments["noise_multiplier"] == 8.0 and len(moments["mean"]) == 243
+  # The committed recipe floors the variance: every channel kept; the file keeps the release
+  # as drawn (no floor), the floor is recomputed from public numbers (1 x 8 x 1.5 / 60 images).
+  assert moments["variance_floor"] == 0.0
+  assert rep["feature_norm_variance_floor"] == pytest.approx(8.0 * 1.5 / 60)
+  assert rep["feature_channels_kept"] == 243
   with open(run / "export_check.json") as f:
     check = json.load(f)
   assert check["raw_pixel_test_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],

@@ -5,6 +5,7 @@ Oracles: per-example loops written here, the analytic Gaussian mechanism
 dp-accounting's own composition of the events.
 """
 
+import json
 import math
 
 import dp_accounting
@@ -118,6 +119,10 @@ def test_release_noise_has_the_stated_standard_deviation():
   assert std == pytest.approx(3.0 * 0.5, rel=0.05)
   assert np.all(moments.variance >= 0)
   assert np.all(moments.scale()[moments.variance == 0] == 0)
+  # The mean squares' noise: all-zero features release s = noise / N (std sigma C_s / N), and
+  # variance = max(s - m^2, 0) with m^2 ~ 1e-3 of it, so E[variance^2] = (sigma C_s / N)^2 / 2.
+  assert np.sqrt(2 * np.mean(moments.variance ** 2)) == pytest.approx(3.0 * 2.0 / 50, rel=0.05)
+  assert moments.square_noise_std == pytest.approx(3.0 * 2.0 / 50)
 
 
 def test_the_plan_composes_releases_into_epsilon_and_calibration():
@@ -205,6 +210,45 @@ def test_standardize_matches_the_keras_layer():
   want = private_stats.standardize(in_place, moments, dtype=np.float16)
   got = private_stats.standardize(in_place, moments, out=in_place)
   assert got is in_place and np.array_equal(got, want)
+
+
+def test_a_variance_floor_keeps_every_channel_and_scales_by_the_floored_variance():
+  from tf_dpnsgd.models import scatternet
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(5, 2, 2, 6)).astype(np.float32)
+  moments = private_stats.ChannelMoments(
+      mean=rng.normal(size=6), variance=np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0]),
+      noise_multiplier=8.0, mean_clip=1.0, square_clip=1.0, dataset_size=5)
+  floored = moments.with_variance_floor(0.5)  # 0.5 * 8 * 1 / 5 = 0.8, by hand
+  assert floored.variance_floor == pytest.approx(0.8)
+  want = 1.0 / np.sqrt(np.array([0.8, 1.0, 2.0, 0.8, 0.8, 3.0]) + 1e-5)
+  np.testing.assert_allclose(floored.scale(), want, rtol=1e-12)
+  assert np.all(floored.variance == moments.variance)  # the release itself is unchanged
+  np.testing.assert_allclose(  # the export's layer and the cached features agree
+      np.asarray(scatternet.ChannelStandardization(floored.mean, floored.scale())(x)),
+      private_stats.standardize(x, floored), rtol=1e-6, atol=1e-6)
+  assert np.all(private_stats.standardize(x, floored) != 0)
+  assert floored.with_variance_floor(0).scale()[0] == 0  # 0: back to dropping
+  again = private_stats.ChannelMoments.from_dict(json.loads(json.dumps(floored.to_dict())))
+  np.testing.assert_array_equal(again.scale(), floored.scale())
+  old = floored.to_dict()
+  del old["variance_floor"]  # a file written before the floor existed: no floor
+  assert private_stats.ChannelMoments.from_dict(old).variance_floor == 0.0
+  for bad in (-1.0, float("nan"), float("inf"), True):
+    with pytest.raises(ValueError, match="variance floor"):
+      moments.with_variance_floor(bad)
+
+
+def test_the_variance_floor_does_not_depend_on_the_private_data():
+  # Two different private datasets of the same public size and settings: the same floor.
+  rng = np.random.default_rng(5)
+  floors = []
+  for scale in (1e-3, 1e3):
+    moments = private_stats.release_channel_moments(
+        scale * rng.normal(size=(40, 3, 5)), _private_model(5), noise_multiplier=8.0,
+        mean_clip=1.0, square_clip=1.5, rng=np.random.default_rng(6))
+    floors.append(moments.with_variance_floor(2.0).variance_floor)
+  assert floors[0] == floors[1] == pytest.approx(2.0 * 8.0 * 1.5 / 40)
 
 
 def test_bad_arguments_fail_loudly():

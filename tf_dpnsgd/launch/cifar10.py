@@ -80,6 +80,10 @@ flags.DEFINE_float("feature_norm_mean_clip", 1.0, "--feature_normalization=priva
                    "bound of one example's per-channel feature means.")
 flags.DEFINE_float("feature_norm_square_clip", 1.5, "--feature_normalization=private_data: L2 "
                    "bound of one example's per-channel feature mean squares.")
+flags.DEFINE_float("feature_norm_variance_floor", 0.0, "--feature_normalization=private_data: "
+                   "scale each channel by 1/sqrt(max(var, floor)), floor = this multiple of the "
+                   "noise std of the released mean squares (sigma * square_clip / N, public); "
+                   "0 drops the channels whose released variance is 0 (Tramer and Boneh).")
 flags.DEFINE_list("feature_views", ["identity"], "Scattering models: fixed views of each "
                   "image (" + ", ".join(views_lib.VIEWS) + "); with several, each example's "
                   "loss is the mean over its views (augmentation multiplicity: one per-example "
@@ -213,6 +217,9 @@ def main(argv):
     raise common.LaunchError(f"--augment needs --model=resnet20: --model={FLAGS.model} trains "
                              "on scattering features computed once from the unaugmented "
                              "images.")
+  if FLAGS.feature_norm_variance_floor and FLAGS.feature_normalization != "private_data":
+    raise common.LaunchError("--feature_norm_variance_floor needs "
+                             "--feature_normalization=private_data (scattering models).")
   if FLAGS.model != "resnet20" and FLAGS.feature_normalization == "private_data" and cfg.private:
     sigma = FLAGS.feature_norm_noise_multiplier
     cfg = dataclasses.replace(cfg, releases=(sigma,) * private_stats.RELEASES_PER_NORMALIZATION)
@@ -312,6 +319,10 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
     model = new_model()
     moments, released = _feature_moments(f_train[:, 0] if multi else f_train, model, FLAGS,
                                          cfg.model_dir)
+    try:  # public post-processing; the file in --model_dir keeps the release as drawn
+      moments = moments.with_variance_floor(FLAGS.feature_norm_variance_floor)
+    except ValueError as e:
+      raise common.LaunchError(f"--feature_norm_variance_floor: {e}") from None
     # In place: the raw float16 features are not needed again (1.6 GB per view for CIFAR-10).
     f_train = private_stats.standardize(f_train, moments, out=f_train)
     f_test = private_stats.standardize(f_test, moments, out=f_test)
@@ -320,7 +331,8 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
     info.update({"feature_release": "new" if released else "reused from --model_dir",
                  "feature_norm_noise_multiplier": moments.noise_multiplier,
                  "feature_norm_clips": [moments.mean_clip, moments.square_clip],
-                 "feature_channels_kept": int(np.sum(moments.variance > 0))})
+                 "feature_norm_variance_floor": moments.variance_floor,
+                 "feature_channels_kept": int(np.sum(moments.scale() > 0))})
     normalization = (f"per-channel standardization by released training-set statistics "
                      f"(Gaussian, noise multiplier {moments.noise_multiplier:g}, 2 releases)")
     built.append(model)
