@@ -195,13 +195,19 @@ def test_releases_travel_with_the_saved_model(tmp_path):
   assert ledger_lib.ledger_of(other).min_release_noise_multiplier == pytest.approx(6.0)
 
 
-def test_standardize_matches_the_keras_layer():
-  from tf_dpnsgd.models import scatternet
-  rng = np.random.default_rng(3)
+def _six_channels(seed):
+  """Features [5, 2, 2, 6] and moments with two zero variances (channels 0 and 4)."""
+  rng = np.random.default_rng(seed)
   x = rng.normal(size=(5, 2, 2, 6)).astype(np.float32)
   moments = private_stats.ChannelMoments(
       mean=rng.normal(size=6), variance=np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0]),
       noise_multiplier=8.0, mean_clip=1.0, square_clip=1.0, dataset_size=5)
+  return x, moments
+
+
+def test_standardize_matches_the_keras_layer():
+  from tf_dpnsgd.models import scatternet
+  x, moments = _six_channels(seed=3)
   layer = scatternet.ChannelStandardization(moments.mean, moments.scale())
   np.testing.assert_allclose(np.asarray(layer(x)), private_stats.standardize(x, moments),
                              rtol=1e-6, atol=1e-6)
@@ -214,11 +220,7 @@ def test_standardize_matches_the_keras_layer():
 
 def test_a_variance_floor_keeps_every_channel_and_scales_by_the_floored_variance():
   from tf_dpnsgd.models import scatternet
-  rng = np.random.default_rng(4)
-  x = rng.normal(size=(5, 2, 2, 6)).astype(np.float32)
-  moments = private_stats.ChannelMoments(
-      mean=rng.normal(size=6), variance=np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0]),
-      noise_multiplier=8.0, mean_clip=1.0, square_clip=1.0, dataset_size=5)
+  x, moments = _six_channels(seed=4)
   floored = moments.with_variance_floor(0.5)  # 0.5 * 8 * 1 / 5 = 0.8, by hand
   assert floored.variance_floor == pytest.approx(0.8)
   want = 1.0 / np.sqrt(np.array([0.8, 1.0, 2.0, 0.8, 0.8, 3.0]) + 1e-5)
