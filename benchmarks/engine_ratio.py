@@ -9,11 +9,13 @@ Configurations: ResNet20-GN (CIFAR shapes) at batch 256 and a keras-hub BERT
 of MiniLM-L6 size (6 layers, hidden 384, 12 heads, intermediate 1536, sequence
 128, random weights, no download) at batch 32 (the builders of
 ``benchmarks/per_example_engines.py``), each compiled with ``jit_compile``
-False and True. The DP model is ``tf_dpnsgd.make_private(per_example=
+False and True; on request (``--models=scatter_cnn,scatter_cnn_2views``) Tramer
+and Boneh's CNN on CIFAR-10 scattering features at batch 512, on one view or
+on two views with shared weights (loss = mean over views). The DP model is ``tf_dpnsgd.make_private(per_example=
 "layerwise")`` with DPNSGD (noise multiplier 1). BERT runs twice per
 ``jit_compile`` value: with the engine's default budget for kept per-example
 gradients and with ``keep_per_example_mib=0`` (``--keep_mib``), the
-time-for-memory trade the user chooses.
+time-for-memory trade the user chooses; so do the scattering CNNs.
 
 Time: one subprocess per configuration builds both models and alternates one
 plain and one DP ``train_on_batch`` on the same batch, ``--steps`` times after
@@ -44,7 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BATCHES = {"resnet20": 256, "bert": 32}
+BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512}
 
 
 def _models(model_name, jit, keep_mib=None):
@@ -52,10 +54,11 @@ def _models(model_name, jit, keep_mib=None):
 
   import tf_dpnsgd
   from per_example_engines import build
+  from per_example_engines import loss_for
 
   keras.utils.set_random_seed(0)
   make, x, y, batch = build(model_name)
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  loss = loss_for(model_name)
 
   def plain():
     m = make()
@@ -157,8 +160,8 @@ def main(argv=None):
   parser.add_argument("--sampler_batches", type=int, default=50)
   parser.add_argument("--keep_mib", default="default,0",
                       help="keep_per_example_mib values of the DP model (MiB; 'default': the "
-                           "engine's budget); models without sequence layers (ResNet20-GN) "
-                           "keep nothing under any budget and run 'default' only")
+                           "engine's budget); BERT and the scattering CNNs run each, "
+                           "ResNet20-GN 'default' only")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
@@ -178,7 +181,8 @@ def main(argv=None):
 
   rows = []
   for model_name in args.models.split(","):
-    keeps = args.keep_mib.split(",") if model_name == "bert" else ["default"]
+    keeps = (args.keep_mib.split(",") if model_name in ("bert", "scatter_cnn", "scatter_cnn_2views")
+             else ["default"])
     for jit in args.jit.split(","):
       for keep in keeps:
         row = {"model": model_name, "jit": jit == "1", "batch": BATCHES[model_name],

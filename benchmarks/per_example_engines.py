@@ -85,7 +85,35 @@ def build(name):
          "padding_mask": np.ones((batch, seq), "int32")}
     y = rng.integers(0, 2, size=(batch,)).astype("int32")
     return make, x, y, batch
+  if name in ("scatter_cnn", "scatter_cnn_2views"):
+    # Tramer and Boneh's CNN on CIFAR-10 scattering features ([8, 8, 243], random here),
+    # the physical batch of configs/cifar10/scatter_cnn_*.flags; 2 views: the head on each
+    # view with shared weights (tf_dpnsgd.models.views), loss = mean over views (see LOSSES).
+    from tf_dpnsgd.models import scatternet
+    from tf_dpnsgd.models import views
+
+    batch, num_views = 512, (2 if name.endswith("2views") else 1)
+    shape = (batch, num_views, 8, 8, 243) if num_views > 1 else (batch, 8, 8, 243)
+    x = rng.normal(size=shape).astype("float32")
+    y = rng.integers(0, 10, size=(batch,)).astype("int32")
+
+    def make():
+      head = scatternet.scatter_cnn()
+      return views.multi_view(head, num_views) if num_views > 1 else head
+
+    return make, x, y, batch
   raise ValueError(f"unknown model {name!r}")
+
+
+def loss_for(name):
+  """The per-example loss of ``build(name)``'s model."""
+  import keras
+
+  if name.endswith("views"):
+    from tf_dpnsgd.models import views
+
+    return views.view_mean_loss()
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def run_one(model_name, engine, steps, warmup):
@@ -97,7 +125,7 @@ def run_one(model_name, engine, steps, warmup):
 
   keras.utils.set_random_seed(0)
   make, x, y, batch = build(model_name)
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  loss = loss_for(model_name)
   plain = make()
   plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
   private = tf_dpnsgd.make_private(make(), per_example=engine,

@@ -16,12 +16,14 @@ import pytest
 import tensorflow as tf
 
 import tf_dpnsgd
+from tf_dpnsgd import losses as losses_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import (choose_engine, layerwise_engine, microbatch_engine,
                                    resolve_engine)
+from fixtures import assert_engine_output, normalized_sum_by_loop
 
 RTOL = 1e-5
 CLIP = transforms.Clip(0.5)
@@ -233,6 +235,43 @@ def test_conv_norm_methods_and_kept_tensors():
     rep = conv.ConvOuter(tf.zeros([1, h, w, c]), tf.zeros([1, h, w, d]), (3, 3), (1, 1), (1, 1),
                          "same")
     assert (rep.ghost, rep.keep_materialized) == (ghost, keep), (h, w, c, d)
+
+
+@pytest.mark.parametrize("keep", [True, False, None])
+@pytest.mark.parametrize("shape", [(5, 5, 3, 4), (2, 2, 16, 32)])  # materialised; ghost norm
+def test_conv_used_three_times_is_one_representation(shape, keep):
+  """Three calls of one kernel (e.g. three views of an example) merge into one ConvOuter
+  whose positions are the uses' concatenated; its per-example gradients, squared norms and
+  weighted sum against float64 tapes of ``sum_uses <conv(x_u[i], K), g_u[i]>`` per example."""
+  from tf_dpnsgd.per_example.layers import conv
+  h, w, c, d = shape
+  rng = np.random.default_rng(11)
+  xs = [rng.normal(size=(4, h, w, c)) for _ in range(3)]
+  gs = [rng.normal(size=(4, h, w, d)) for _ in range(3)]
+  reps = [conv.ConvOuter(tf.constant(x, tf.float32), tf.constant(g, tf.float32), (3, 3),
+                         (1, 1), (1, 1), "same") for x, g in zip(xs, gs)]
+  rep = factored.combine(reps)
+  assert isinstance(rep, conv.ConvOuter) and len(rep.uses) == 3
+  assert rep.positions == 3 * h * w
+  assert rep.ghost == (shape == (2, 2, 16, 32))
+  rep.keep = keep
+  kernel = tf.Variable(tf.zeros([3, 3, c, d], tf.float64))
+  oracle = []
+  for i in range(4):
+    with tf.GradientTape() as tape:
+      total = tf.add_n([tf.reduce_sum(tf.nn.conv2d(tf.constant(x[i:i + 1]), kernel, 1, "SAME")
+                                      * g[i:i + 1]) for x, g in zip(xs, gs)])
+    oracle.append(tape.gradient(total, kernel).numpy())
+  oracle = np.stack(oracle)
+  factors = tf.constant([0.5, 0.0, 2.0, 1.0])
+  np.testing.assert_allclose(rep.squared_norms().numpy(), np.sum(oracle**2, axis=(1, 2, 3, 4)),
+                             rtol=1e-5)
+  np.testing.assert_allclose(rep.weighted_sum(factors).numpy(),
+                             np.tensordot(factors.numpy(), oracle, axes=1), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(rep.per_unit().numpy(), oracle, rtol=1e-4, atol=1e-4)
+  other = conv.ConvOuter(tf.zeros([4, h, w, c]), tf.zeros([4, h, w, d]), (1, 1), (1, 1),
+                         (1, 1), "same")
+  assert not rep.mergeable(other)  # another kernel shape: a Sum, never merged
 
 
 @pytest.mark.parametrize("name", ["conv2d_same", "conv2d_stride_valid", "conv2d_wide_small_spatial",
@@ -731,6 +770,41 @@ def test_keep_budget_changes_what_is_kept_never_the_result(keep_mib, monkeypatch
     assert kept and all(kept)
   else:  # 104 bytes: one [4, 6, 5] gradient of 480 bytes does not fit
     assert kept and not any(kept)
+
+
+@pytest.mark.parametrize("keep_mib", [0, None])
+def test_keep_budget_for_a_convolution_used_on_two_views(keep_mib, monkeypatch):
+  """The materialised per-example kernel gradients of a convolution (here one called on two
+  views) take part in the budget like a Dense layer's; kept or not, the norms and the
+  normalized sum equal the per-example loop's."""
+  from tf_dpnsgd.models import views
+  from tf_dpnsgd.per_example.layers import conv
+  base = keras.Sequential([keras.Input((5, 5, 3)), keras.layers.Conv2D(4, 3, padding="same"),
+                           keras.layers.Flatten(), keras.layers.Dense(3)])
+  model = views.multi_view(base, 2)
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(4, 2, 5, 5, 3)).astype("float32")
+  y = rng.integers(0, 3, 4).astype("int32")
+  granted = []
+  plan_keeping = factored.plan_keeping
+
+  def spy(reps, budget):
+    used = plan_keeping(reps, budget)
+    granted.extend(r.keep for r in reps if isinstance(r, conv.ConvOuter))
+    return used
+
+  monkeypatch.setattr(factored, "plan_keeping", spy)
+  out = layerwise_engine(model, losses_lib.per_example_loss_fn(views.view_mean_loss()),
+                         tf.constant(x), tf.constant(y), transforms.Normalize(0.1),
+                         keep_bytes=None if keep_mib is None else int(keep_mib * 2**20))
+  assert granted == [keep_mib is None]
+  xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def example_loss(i):
+    return (xent(y[i:i + 1], base(x[i:i + 1, 0])) + xent(y[i:i + 1], base(x[i:i + 1, 1]))) / 2
+
+  norms, summed = normalized_sum_by_loop(base.trainable_variables, example_loss, 4, r=0.1)
+  assert_engine_output(out, norms, summed)
 
 
 def test_keep_budget_is_validated_and_kept_in_the_config():

@@ -197,9 +197,10 @@ def _flat(summed):
   return np.concatenate([s.numpy().astype(np.float64).ravel() for s in summed])
 
 
-def _engine(model, inputs, y_true, transform):
+def _engine(model, inputs, y_true, transform, keep_bytes=None):
   x = [tf.constant(t) for t in inputs] if isinstance(inputs, list) else tf.constant(inputs)
-  return layerwise_engine(model, linear_loss, x, tf.constant(y_true), transform)
+  return layerwise_engine(model, linear_loss, x, tf.constant(y_true), transform,
+                          keep_bytes=keep_bytes)
 
 
 def _setup(name, magnitude):
@@ -255,6 +256,41 @@ def test_contributions_are_bounded_by_the_sensitivity(name, magnitude):
     assert moved <= 2 * sens * (1 + BOUND_RTOL), (
         f"{type(transform).__name__}: replacing one example moved the sum by "
         f"{moved / sens:.3g} x sensitivity")
+
+
+@pytest.mark.parametrize("keep_bytes", [0, None])
+@pytest.mark.parametrize("name", ["conv_siamese_materialized", "conv_siamese_ghost"])
+def test_shared_conv_with_and_without_kept_gradients(name, keep_bytes, monkeypatch):
+  """A convolution called twice is one representation (its uses' positions concatenated,
+  :meth:`ConvOuter.merge`); its float32 per-example gradients are either kept for the sum
+  (default budget) or not (budget 0, the sum is a backprop-filter per use). On cancelling
+  uses at magnitude 1e6 neither path may understate a norm or let one example move the sum
+  by more than the sensitivity: the kept path too recomputes ill-conditioned examples in
+  float64 (a float32 gradient of cancelling uses can have a norm under the exact one)."""
+  from tf_dpnsgd.per_example.layers import conv
+
+  model, inputs, y_true, grads = _setup(name, 1e6)
+  true_norms = np.linalg.norm(grads, axis=1)
+  merged = []
+  original = conv.ConvOuter.merge
+
+  def spy(self, other):
+    out = original(self, other)
+    merged.append(out)
+    return out
+
+  monkeypatch.setattr(conv.ConvOuter, "merge", spy)
+  out = _engine(model, inputs, y_true, transforms.Clip(1.0), keep_bytes=keep_bytes)
+  (rep,) = merged  # the two calls became one representation with both uses
+  assert len(rep.uses) == 2 and rep.keep == (keep_bytes is None and not rep.ghost)
+  ratio = out.norms.numpy().astype(np.float64) / true_norms
+  assert np.all(ratio >= 1 - NORM_RTOL), f"understated norms: engine/true = {ratio}"
+  for transform in _transforms_for(true_norms):
+    out = _engine(model, inputs, y_true, transform, keep_bytes=keep_bytes)
+    h = out.factors.numpy().astype(np.float64)
+    assert np.all(h * true_norms <= transform.sensitivity * (1 + BOUND_RTOL))
+    np.testing.assert_allclose(_flat(out.summed), h @ grads, rtol=0,
+                               atol=1e-5 * transform.sensitivity * BATCH)
 
 
 @pytest.mark.parametrize("name", ["dense_siamese_ghost", "conv_siamese_materialized",

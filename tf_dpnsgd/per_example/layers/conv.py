@@ -127,38 +127,47 @@ class ConvOuter(factored.Representation):
   the materialised gradient (:func:`~..factored.use_ghost` on ``T`` output
   positions, ``p = prod(kernel_size) * c_in``, ``q = c_out``), with patches
   built in chunks of the batch (at most :data:`CHUNK_BYTES` at a time). What
-  is kept for the weighted sum is the smaller of the materialised per-example
-  gradients (``p q`` per example) and the input plus output gradient (then the
-  sum is one convolution backprop-filter of ``(x, h * dz)``, as in a plain
-  step).
+  is kept for the weighted sum is the materialised per-example gradients
+  (``p q`` per example) where :func:`~..factored.plan_keeping` grants them
+  within the engine's memory budget (or, unplanned, where they are no larger
+  than the input plus output gradient); otherwise the sum is one convolution
+  backprop-filter of ``(x, h * dz)`` per use, as in a plain step.
+
+  A convolution called several times (``uses``: the same kernel on several
+  inputs, e.g. the views of one example) has ``g_i = sum_uses sum_t ...``: the
+  uses' patches are concatenated along the positions, ``T = sum of the uses'
+  positions`` (exact; :meth:`merge`), so it is one representation with one
+  norm, not a :class:`~..factored.Sum` of per-use gradients with cross terms.
 
   Precision (see :mod:`tf_dpnsgd.per_example.factored`, "Formal guarantees"):
   the ghost norm's Gram matrices are float64 with the rigorous error bound
-  ``gamma(p + q + T^2) A^2`` (``A = sum_t ||patch_t|| ||dz_t||``); the
-  materialised per-example gradient is the float32 ``dz^T patches`` (the same
-  product a plain step's weight gradient computes), squared and summed in
-  float64. Where it is kept, exactly it enters the weighted sum (its norm is
-  that of what is summed, as in the vectorized engine). Otherwise (ghost
-  norm, or a materialised gradient larger than the input) the sum is a
-  float32 backprop-filter, and examples with ``A > CONDITION_LIMIT ||g||``
-  are recomputed in float64 (:meth:`unit_gradient64`) for both the norm and
-  the weighted sum. A convolution used twice is a :class:`~..factored.Sum`,
-  whose cancelling uses are recomputed the same way.
+  ``gamma(p + q + T^2) A^2`` (``A = sum_t ||patch_t|| ||dz_t||`` over every
+  use's positions); the materialised per-example gradient is the float32
+  ``dz^T patches`` (the same product a plain step's weight gradient
+  computes), squared and summed in float64. Where it is kept, exactly it
+  enters the weighted sum (its norm is that of what is summed); otherwise the
+  sum is a float32 backprop-filter. Either way, examples with
+  ``A > CONDITION_LIMIT ||g||`` (terms that nearly cancel, e.g. two uses on
+  nearly equal inputs with opposite output gradients) are recomputed in
+  float64 (:meth:`unit_gradient64`) for both the norm and the weighted sum,
+  so no norm is under the exact one.
 
   Args:
     x: ``[B, *spatial, c_in]`` channels-last input (padded for "causal").
     g: ``[B, *spatial_out, c_out]`` gradient of the summed loss w.r.t. the
       pre-activation output.
     kernel_size, strides, dilation_rate, padding: the convolution's.
+    more_uses: further ``(x, g)`` pairs of the same kernel (other calls).
   """
 
-  def __init__(self, x, g, kernel_size, strides, dilation_rate, padding):
-    if any(d is None for d in list(x.shape[1:]) + list(g.shape[1:])):
-      raise registry_lib.UnsupportedLayerError(
-          f"Convolution inputs need static spatial sizes for the layer-wise engine; got "
-          f"{x.shape} -> {g.shape}. Use fixed-size inputs or per_example='vectorized'.")
-    self.x = tf.cast(x, tf.float32)
-    self.g = tf.cast(g, tf.float32)
+  def __init__(self, x, g, kernel_size, strides, dilation_rate, padding, more_uses=()):
+    uses = [(x, g)] + list(more_uses)
+    for xu, gu in uses:
+      if any(d is None for d in list(xu.shape[1:]) + list(gu.shape[1:])):
+        raise registry_lib.UnsupportedLayerError(
+            f"Convolution inputs need static spatial sizes for the layer-wise engine; got "
+            f"{xu.shape} -> {gu.shape}. Use fixed-size inputs or per_example='vectorized'.")
+    self.uses = [(tf.cast(xu, tf.float32), tf.cast(gu, tf.float32)) for xu, gu in uses]
     self.kernel_size = tuple(kernel_size)
     self.strides = tuple(strides)
     self.dilation_rate = tuple(dilation_rate)
@@ -166,11 +175,39 @@ class ConvOuter(factored.Representation):
     self.c_in, self.c_out = int(x.shape[-1]), int(g.shape[-1])
     self.p = math.prod(self.kernel_size) * self.c_in
     self.q = self.c_out
-    self.positions = math.prod(int(d) for d in g.shape[1:-1])
+    self.positions = sum(math.prod(int(d) for d in gu.shape[1:-1]) for _, gu in self.uses)
     self.ghost = bool(factored.use_ghost(self.positions, self.p, self.q))
-    kept_per_example = math.prod(int(d) for d in x.shape[1:]) + self.positions * self.q
-    self.keep_materialized = (not self.ghost) and self.p * self.q <= kept_per_example
+    self.keep = None  # True/False: set by plan_keeping; None: the unplanned rule below
     self._materialized = None  # [B, q, p]
+
+  @property
+  def x(self):
+    return self.uses[0][0]
+
+  @property
+  def g(self):
+    return self.uses[0][1]
+
+  @property
+  def keep_materialized(self) -> bool:
+    if self.ghost:
+      return False
+    if self.keep is not None:
+      return self.keep
+    kept_per_example = sum(math.prod(int(d) for d in xu.shape[1:]) for xu, _ in self.uses)
+    return self.p * self.q <= kept_per_example + self.positions * self.q
+
+  def keep_bytes(self):
+    """Bytes of the ``[B, q, p]`` float32 per-example gradients, or None (ghost norm,
+    dynamic batch): see :func:`~..factored.plan_keeping`."""
+    batch = self.x.shape[0]
+    if self.ghost or batch is None:
+      return None
+    return 4 * int(batch) * self.p * self.q
+
+  def keep_order(self) -> int:
+    """Positions summed per example: the weighted-sum work that keeping saves per byte."""
+    return self.positions
 
   @property
   def kernel_shape(self):
@@ -179,10 +216,17 @@ class ConvOuter(factored.Representation):
   def _patches(self, x):
     return conv_patches(x, self.kernel_size, self.strides, self.dilation_rate, self.padding)
 
-  def _chunk(self, x, g, materialize):
+  def _factors(self, uses):
+    """``(patches [n, T, p], b [n, T, q])`` of some examples' uses, positions concatenated."""
+    patches = [self._patches(xu) for xu, _ in uses]
+    b = [tf.reshape(gu, [tf.shape(gu)[0], -1, self.q]) for _, gu in uses]
+    if len(uses) == 1:
+      return patches[0], b[0]
+    return tf.concat(patches, axis=1), tf.concat(b, axis=1)
+
+  def _chunk(self, uses, materialize):
     """``(value, error, scale, per_example or None)`` of one chunk of examples."""
-    patches = self._patches(x)
-    b = tf.reshape(g, [tf.shape(g)[0], -1, self.q])
+    patches, b = self._factors(uses)
     if not materialize:
       patches, b = tf.cast(patches, tf.float64), tf.cast(b, tf.float64)
       scale = factored.outer_scale(patches, b)
@@ -190,19 +234,20 @@ class ConvOuter(factored.Representation):
       return value, error, scale, None
     per_example = tf.matmul(b, patches, transpose_a=True)  # [n, q, p]
     value, error = factored.sum_of_squares(per_example)
-    if self.keep_materialized:
-      # Exactly these float32 gradients enter the weighted sum: their float64 sum of
-      # squares is the norm of what is summed, nothing to recompute (scale None).
-      return value, error, None, per_example
-    # Summed by backprop-filter instead: examples whose terms cancel are recomputed in
-    # float64. The scale only decides which, so float32 suffices (an overflow to inf
+    # Examples whose terms cancel (within a use, or between uses) are recomputed in
+    # float64, for the norm and the sum, whether or not the float32 gradients are kept:
+    # float32 rounding of cancelling terms can leave a gradient whose norm is under the
+    # exact one. The scale only decides which, so float32 suffices (an overflow to inf
     # marks the example for recomputation, which is safe). ||patch_t||^2 is the window
     # sum of the pixels' squared norms: a one-channel convolution with a kernel of ones.
-    pixels = tf.reduce_sum(tf.square(x), axis=-1, keepdims=True)
-    ones = tf.ones(list(self.kernel_size) + [1, 1], x.dtype)
-    windows = tf.nn.convolution(pixels, ones, strides=self.strides,
-                                padding=self.padding.upper(), dilations=self.dilation_rate)
-    patch_norms = tf.sqrt(tf.reshape(windows, [tf.shape(x)[0], -1]))
+    ones = tf.ones(list(self.kernel_size) + [1, 1], tf.float32)
+    patch_norms = []
+    for xu, _ in uses:
+      pixels = tf.reduce_sum(tf.square(xu), axis=-1, keepdims=True)
+      windows = tf.nn.convolution(pixels, ones, strides=self.strides,
+                                  padding=self.padding.upper(), dilations=self.dilation_rate)
+      patch_norms.append(tf.sqrt(tf.reshape(windows, [tf.shape(xu)[0], -1])))
+    patch_norms = patch_norms[0] if len(uses) == 1 else tf.concat(patch_norms, axis=1)
     scale = tf.cast(tf.reduce_sum(patch_norms * factored.row_norms(b), axis=1), tf.float64)
     return value, error, scale, per_example
 
@@ -225,12 +270,12 @@ class ConvOuter(factored.Representation):
     bounds = [(0, None)] if batch is None or batch <= chunk else [
         (start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
     results = []
-    previous = [self.g]
+    previous = [gu for _, gu in self.uses]
     for start, stop in bounds:
       with tf.control_dependencies(previous):
-        x = self.x if stop is None else self.x[start:stop]
-        g = self.g if stop is None else self.g[start:stop]
-        results.append(self._chunk(x, g, materialize))
+        uses = self.uses if stop is None else [(xu[start:stop], gu[start:stop])
+                                               for xu, gu in self.uses]
+        results.append(self._chunk(uses, materialize))
       previous = [results[-1][0]]
 
     def joined(k):
@@ -248,17 +293,32 @@ class ConvOuter(factored.Representation):
     return factored.Estimate(value, error, scale)
 
   def unit_gradient64(self, u):
-    x = tf.cast(tf.gather(self.x, [u]), tf.float64)
-    g = tf.cast(tf.gather(self.g, [u]), tf.float64)
-    patches = self._patches(x)[0]  # [T, p]
-    b = tf.reshape(g, [-1, self.q])
+    uses = [(tf.cast(tf.gather(xu, [u]), tf.float64), tf.cast(tf.gather(gu, [u]), tf.float64))
+            for xu, gu in self.uses]
+    patches, b = self._factors(uses)
+    patches, b = patches[0], b[0]  # [T, p], [T, q]
     qp = tf.matmul(b, patches, transpose_a=True)
     scale = tf.reduce_sum(factored.row_norms(patches) * factored.row_norms(b))
     return self._to_kernel(qp, []), factored.gamma(self.positions) * scale
 
+  def _with_uses(self, uses) -> "ConvOuter":
+    (x, g), rest = uses[0], uses[1:]
+    return ConvOuter(x, g, self.kernel_size, self.strides, self.dilation_rate, self.padding,
+                     more_uses=rest)
+
   def gather_units(self, indices) -> "ConvOuter":
-    return ConvOuter(tf.gather(self.x, indices), tf.gather(self.g, indices), self.kernel_size,
-                     self.strides, self.dilation_rate, self.padding)
+    return self._with_uses([(tf.gather(xu, indices), tf.gather(gu, indices))
+                            for xu, gu in self.uses])
+
+  def mergeable(self, other) -> bool:
+    return (isinstance(other, ConvOuter) and other.kernel_size == self.kernel_size
+            and other.strides == self.strides and other.dilation_rate == self.dilation_rate
+            and other.padding == self.padding and other.c_in == self.c_in
+            and other.c_out == self.c_out)
+
+  def merge(self, other: "ConvOuter") -> "ConvOuter":
+    """Another call of the same kernel: its positions join this one's (exact)."""
+    return self._with_uses(self.uses + other.uses)
 
   def _to_kernel(self, qp, leading):
     pq = tf.linalg.matrix_transpose(qp)
@@ -269,15 +329,19 @@ class ConvOuter(factored.Representation):
     if self._materialized is not None:
       g = factored.zero_dropped_units(self._materialized, keep)
       return self._to_kernel(tf.tensordot(factors, g, axes=[[0], [0]]), [])
-    x = factored.zero_dropped_units(self.x, keep)
-    hg = factored.zero_dropped_units(self.g, keep) * tf.reshape(
-        factors, [-1] + [1] * (len(self.g.shape) - 1))
-    kernel = tf.zeros(self.kernel_shape, tf.float32)
-    with tf.GradientTape() as tape:  # backprop-filter of the convolution, as a plain step
-      tape.watch(kernel)
-      z = tf.nn.convolution(x, kernel, strides=self.strides, padding=self.padding.upper(),
-                            dilations=self.dilation_rate)
-    return tape.gradient(z, kernel, output_gradients=hg)
+    total = None
+    for xu, gu in self.uses:
+      x = factored.zero_dropped_units(xu, keep)
+      hg = factored.zero_dropped_units(gu, keep) * tf.reshape(
+          factors, [-1] + [1] * (len(gu.shape) - 1))
+      kernel = tf.zeros(self.kernel_shape, tf.float32)
+      with tf.GradientTape() as tape:  # backprop-filter of the convolution, as a plain step
+        tape.watch(kernel)
+        z = tf.nn.convolution(x, kernel, strides=self.strides, padding=self.padding.upper(),
+                              dilations=self.dilation_rate)
+      part = tape.gradient(z, kernel, output_gradients=hg)
+      total = part if total is None else total + part
+    return total
 
   def per_unit(self) -> tf.Tensor:
     per_example = self._materialized
