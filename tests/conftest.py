@@ -5,6 +5,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # oneDNN crashes per-example gradients of MultiHeadAttention under tf.vectorized_map on CPU.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# Launchers run in subprocesses keep glibc malloc (no re-exec under tcmalloc, no install
+# hint): tests/test_allocator.py covers tf_dpnsgd.launch.allocator on its own.
+os.environ.setdefault("TF_DPNSGD_ALLOCATOR", "system")
 
 import gc  # noqa: E402
 

@@ -47,6 +47,7 @@ from tf_dpnsgd import private_stats
 from tf_dpnsgd import models
 from tf_dpnsgd.data import cache as cache_lib
 from tf_dpnsgd.data import cifar10 as cifar_lib
+from tf_dpnsgd.launch import allocator
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.models import scatternet
 from tf_dpnsgd.models import views as views_lib
@@ -373,4 +374,5 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
 
 
 if __name__ == "__main__":
+  allocator.maybe_reexec()  # tcmalloc where installed: see tf_dpnsgd.launch.allocator
   app.run(common.main_with_usage_errors(main))

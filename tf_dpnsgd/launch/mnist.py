@@ -32,6 +32,7 @@ import numpy as np
 
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.launch import canary_audit
+from tf_dpnsgd.launch import allocator
 from tf_dpnsgd.launch import common
 
 MNIST_TRAIN_SIZE = 60000
@@ -136,4 +137,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  allocator.maybe_reexec()  # tcmalloc where installed: see tf_dpnsgd.launch.allocator
   app.run(common.main_with_usage_errors(main))

@@ -29,6 +29,7 @@ import tensorflow as tf
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.data import glue
 from tf_dpnsgd.launch import canary_audit
+from tf_dpnsgd.launch import allocator
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.models import text
 
@@ -90,4 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  allocator.maybe_reexec()  # tcmalloc where installed: see tf_dpnsgd.launch.allocator
   app.run(common.main_with_usage_errors(main))
