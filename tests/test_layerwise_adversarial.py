@@ -197,10 +197,9 @@ def _flat(summed):
   return np.concatenate([s.numpy().astype(np.float64).ravel() for s in summed])
 
 
-def _engine(model, inputs, y_true, transform, keep_bytes=None):
+def _engine(model, inputs, y_true, transform):
   x = [tf.constant(t) for t in inputs] if isinstance(inputs, list) else tf.constant(inputs)
-  return layerwise_engine(model, linear_loss, x, tf.constant(y_true), transform,
-                          keep_bytes=keep_bytes)
+  return layerwise_engine(model, linear_loss, x, tf.constant(y_true), transform)
 
 
 def _setup(name, magnitude):
@@ -258,15 +257,15 @@ def test_contributions_are_bounded_by_the_sensitivity(name, magnitude):
         f"{moved / sens:.3g} x sensitivity")
 
 
-@pytest.mark.parametrize("keep_bytes", [0, None])
 @pytest.mark.parametrize("name", ["conv_siamese_materialized", "conv_siamese_ghost"])
-def test_shared_conv_with_and_without_kept_gradients(name, keep_bytes, monkeypatch):
+def test_shared_conv_is_one_representation_kept_or_not(name, monkeypatch):
   """A convolution called twice is one representation (its uses' positions concatenated,
-  :meth:`ConvOuter.merge`); its float32 per-example gradients are either kept for the sum
-  (default budget) or not (budget 0, the sum is a backprop-filter per use). On cancelling
-  uses at magnitude 1e6 neither path may understate a norm or let one example move the sum
-  by more than the sensitivity: the kept path too recomputes ill-conditioned examples in
-  float64 (a float32 gradient of cancelling uses can have a norm under the exact one)."""
+  :meth:`ConvOuter.merge`), materialised for the norm in both cases here (merged, the
+  positions make ``T p q`` the cheaper path), its float32 gradients kept for the sum in the
+  first and summed by backprop-filter in the second. On cancelling uses at magnitude 1e6 it may not understate a norm or let one example move
+  the sum by more than the sensitivity: materialised float32 gradients of cancelling uses
+  can have a norm under the exact one, so ill-conditioned examples are recomputed in
+  float64 whether or not the float32 gradients are kept."""
   from tf_dpnsgd.per_example.layers import conv
 
   model, inputs, y_true, grads = _setup(name, 1e6)
@@ -280,13 +279,14 @@ def test_shared_conv_with_and_without_kept_gradients(name, keep_bytes, monkeypat
     return out
 
   monkeypatch.setattr(conv.ConvOuter, "merge", spy)
-  out = _engine(model, inputs, y_true, transforms.Clip(1.0), keep_bytes=keep_bytes)
+  out = _engine(model, inputs, y_true, transforms.Clip(1.0))
   (rep,) = merged  # the two calls became one representation with both uses
-  assert len(rep.uses) == 2 and rep.keep == (keep_bytes is None and not rep.ghost)
+  assert len(rep.uses) == 2 and not rep.ghost
+  assert rep.keep_materialized == (name == "conv_siamese_materialized")
   ratio = out.norms.numpy().astype(np.float64) / true_norms
   assert np.all(ratio >= 1 - NORM_RTOL), f"understated norms: engine/true = {ratio}"
   for transform in _transforms_for(true_norms):
-    out = _engine(model, inputs, y_true, transform, keep_bytes=keep_bytes)
+    out = _engine(model, inputs, y_true, transform)
     h = out.factors.numpy().astype(np.float64)
     assert np.all(h * true_norms <= transform.sensitivity * (1 + BOUND_RTOL))
     np.testing.assert_allclose(_flat(out.summed), h @ grads, rtol=0,

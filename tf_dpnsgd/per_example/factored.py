@@ -543,17 +543,14 @@ def plan_keeping(reps, budget: int = KEEP_BYTES) -> int:
 
   Keeping replaces the weighted sum's ``T p q`` product by a ``U p q``
   weighted sum over units, so the saving per byte is proportional to ``T``:
-  representations are granted in decreasing ``T`` (``keep_order()``) while the
-  ``4 U p q`` bytes fit into ``budget``. Only representations with a
-  ``keep_bytes()`` that is not None take part (:class:`Outer` with static ``U``
-  and ``T > 1``; materialised convolutions with a static batch); the others
-  keep their own rule. Precision is unaffected (a kept gradient is exactly
-  what its norm measured, see the module docstring).
+  representations are granted in decreasing ``T`` while the ``4 U p q``
+  bytes fit into ``budget``. Only :class:`Outer` with static ``U`` and ``T > 1``
+  take part (others keep their own rule); precision is unaffected (a kept
+  gradient is exactly what its norm measured, see the module docstring).
   """
-  candidates = [r for r in reps
-                if hasattr(r, "keep_bytes") and r.keep_bytes() is not None]
+  candidates = [r for r in reps if isinstance(r, Outer) and r.keep_bytes() is not None]
   used = 0
-  for rep in sorted(candidates, key=lambda r: -r.keep_order()):
+  for rep in sorted(candidates, key=lambda r: -r.a.shape[1]):
     need = rep.keep_bytes()
     rep.keep = used + need <= budget
     used += need if rep.keep else 0
@@ -606,10 +603,6 @@ class Outer(Representation):
     if units is None or positions is None or positions == 1:
       return None
     return 4 * units * self.p * self.q
-
-  def keep_order(self) -> int:
-    """Positions ``T`` per unit: the weighted-sum work that keeping saves per byte."""
-    return int(self.a.shape[1])
 
   def _ghost(self) -> bool | tf.Tensor:
     if self.method != "auto":

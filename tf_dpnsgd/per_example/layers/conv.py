@@ -127,11 +127,14 @@ class ConvOuter(factored.Representation):
   the materialised gradient (:func:`~..factored.use_ghost` on ``T`` output
   positions, ``p = prod(kernel_size) * c_in``, ``q = c_out``), with patches
   built in chunks of the batch (at most :data:`CHUNK_BYTES` at a time). What
-  is kept for the weighted sum is the materialised per-example gradients
-  (``p q`` per example) where :func:`~..factored.plan_keeping` grants them
-  within the engine's memory budget (or, unplanned, where they are no larger
-  than the input plus output gradient); otherwise the sum is one convolution
-  backprop-filter of ``(x, h * dz)`` per use, as in a plain step.
+  is kept for the weighted sum is the smaller of the materialised per-example
+  gradients (``p q`` per example) and the inputs plus output gradients (then
+  the sum is one convolution backprop-filter of ``(x, h * dz)`` per use, as in
+  a plain step). Convolutions do not take part in
+  :func:`~..factored.plan_keeping`'s budget: keeping larger gradients gained
+  no time (ScatterNet CNN, batch 512: 584 vs 590 ms on one view, 1101 vs
+  1145 ms on two; ResNet20-GN, batch 256: 1.26x vs 1.24x a plain step) for
+  0.44-0.85 GB more memory (``benchmarks/engine_ratio.py``, 2-core CPU).
 
   A convolution called several times (``uses``: the same kernel on several
   inputs, e.g. the views of one example) has ``g_i = sum_uses sum_t ...``: the
@@ -177,7 +180,6 @@ class ConvOuter(factored.Representation):
     self.q = self.c_out
     self.positions = sum(math.prod(int(d) for d in gu.shape[1:-1]) for _, gu in self.uses)
     self.ghost = bool(factored.use_ghost(self.positions, self.p, self.q))
-    self.keep = None  # True/False: set by plan_keeping; None: the unplanned rule below
     self._materialized = None  # [B, q, p]
 
   @property
@@ -190,24 +192,12 @@ class ConvOuter(factored.Representation):
 
   @property
   def keep_materialized(self) -> bool:
+    """Keep the materialised per-example gradients for the sum (no larger than the uses'
+    inputs plus output gradients)."""
     if self.ghost:
       return False
-    if self.keep is not None:
-      return self.keep
     kept_per_example = sum(math.prod(int(d) for d in xu.shape[1:]) for xu, _ in self.uses)
     return self.p * self.q <= kept_per_example + self.positions * self.q
-
-  def keep_bytes(self):
-    """Bytes of the ``[B, q, p]`` float32 per-example gradients, or None (ghost norm,
-    dynamic batch): see :func:`~..factored.plan_keeping`."""
-    batch = self.x.shape[0]
-    if self.ghost or batch is None:
-      return None
-    return 4 * int(batch) * self.p * self.q
-
-  def keep_order(self) -> int:
-    """Positions summed per example: the weighted-sum work that keeping saves per byte."""
-    return self.positions
 
   @property
   def kernel_shape(self):
