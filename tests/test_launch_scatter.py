@@ -54,6 +54,41 @@ def test_committed_scatter_config_trains_exports_and_checks_raw_pixels(tmp_path,
   assert report(tmp_path / "run2")["feature_cache_hit"] is True
 
 
+def _sweep_cell_flags(sweep_config):
+  """The cifar10 launcher flags of the first cell of a committed sweep config: its base flag
+  file, its --fixed flags and the first value of each launcher-flag grid axis."""
+  base, rest = None, []
+  with open(f"{ROOT}/configs/sweeps/{sweep_config}.flags") as f:
+    for line in (l.strip() for l in f):
+      if line.startswith("--base_flagfile="):
+        base = f"--flagfile={ROOT}/" + line.split("=", 1)[1]
+      elif line.startswith("--fixed="):
+        rest.append("--" + line[len("--fixed="):])
+      elif line.startswith("--grid="):
+        name, values = line[len("--grid="):].split("=", 1)
+        if name != "effective_lr":  # a sweep axis (lr = value / clip), not a launcher flag
+          rest.append(f"--{name}={values.split(',')[0]}")
+  return [base] + rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep_config, extra", [
+    ("scatter_cifar10_dpnsgd", []), ("scatter_cifar10_dpsgd", []),
+    # The tiny batch of 20 would give the count query a std of 20 / 20 = 1, too small.
+    ("scatter_cifar10_adaptive_clip", ["--clipped_count_stddev=5"])])
+def test_committed_scatter_sweep_cells_run_the_study_setting(tmp_path, sweep_config, extra):
+  """The tuning study's sweep configs inherit the eps-3 recipes' flag files, which later
+  gained a second view and a variance floor: each sweep must still run the study's setting
+  (GroupNorm features, one view, no floor) rather than fail or silently change it."""
+  write_image_folder(tmp_path / "data", per_class=(6, 3))
+  launch("tf_dpnsgd.launch.cifar10", *_sweep_cell_flags(sweep_config),
+         f"--data_dir={tmp_path}/data", f"--model_dir={tmp_path}/run", *TINY, *extra)
+  rep = report(tmp_path / "run")
+  assert rep["feature_views"] == ["identity"]
+  assert rep["feature_normalization"].startswith("per-example GroupNorm (27 groups")
+  assert rep["model"] == "scatter_linear" and rep["steps"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--model=scatter_linear", "--augment"], "--augment needs --model=resnet20"),
