@@ -183,14 +183,6 @@ class ConvOuter(factored.Representation):
     self._materialized = None  # [B, q, p]
 
   @property
-  def x(self):
-    return self.uses[0][0]
-
-  @property
-  def g(self):
-    return self.uses[0][1]
-
-  @property
   def keep_materialized(self) -> bool:
     """Keep the materialised per-example gradients for the sum (no larger than the uses'
     inputs plus output gradients)."""
@@ -256,7 +248,7 @@ class ConvOuter(factored.Representation):
     else:  # float32 patches, float64 patches and dz, two Gram matrices and their product
       bytes_per_example = 4 * t * p + 8 * t * (p + q) + 24 * t * t
     chunk = max(1, CHUNK_BYTES // bytes_per_example)
-    batch = self.x.shape[0]
+    batch = self.uses[0][0].shape[0]
     bounds = [(0, None)] if batch is None or batch <= chunk else [
         (start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
     results = []
