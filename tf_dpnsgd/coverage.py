@@ -38,6 +38,9 @@ TRAINING_METRIC_CALLBACKS    2  a callback read the unprivatized training loss o
                                 metrics and steered training (:func:`steering_callbacks`)
 PUBLIC_STATE_DECLARED        4  reserved: the user declared data-dependent layer state
                                 public (``make_private(..., public_state=[...])``)
+WARM_START                   8  weights were loaded from a file without a privacy
+                                ledger (``ledger.warm_start_source`` names it): assumed
+                                public, not covered
 ========================== ==== ====================================================
 
 Notes vs. not covered: a report's ``notes`` explain how the number was
@@ -63,6 +66,7 @@ from tf_dpnsgd import ledger as ledger_lib
 UNVERIFIED_BATCHES = 1
 TRAINING_METRIC_CALLBACKS = 2
 PUBLIC_STATE_DECLARED = 4
+WARM_START = 8
 
 FLAG_NOTES = {
     UNVERIFIED_BATCHES: (
@@ -79,8 +83,13 @@ FLAG_NOTES = {
         "Declared-public layer state: the user declared data-dependent layer state public "
         "(make_private(..., public_state=[...])); the package did not verify that it was "
         "computed from public data."),
+    WARM_START: (
+        "Warm start: weights were loaded from a file without a privacy ledger "
+        "(load_weights of a plain model's checkpoint); the epsilon assumes those weights are "
+        "public (e.g. pretrained on public data) and does not cover them. Weights trained on "
+        "the private data without DP are NOT public."),
 }
-KNOWN_FLAGS = UNVERIFIED_BATCHES | TRAINING_METRIC_CALLBACKS | PUBLIC_STATE_DECLARED
+KNOWN_FLAGS = UNVERIFIED_BATCHES | TRAINING_METRIC_CALLBACKS | PUBLIC_STATE_DECLARED | WARM_START
 
 
 def flag_notes(flags) -> list:
@@ -99,8 +108,8 @@ def flag_notes(flags) -> list:
 
   >>> flag_notes(0)
   []
-  >>> [n.split(":")[0] for n in flag_notes(UNVERIFIED_BATCHES | 8)]
-  ['Unverified batches', 'Unknown coverage flags 0x8']
+  >>> [n.split(":")[0] for n in flag_notes(UNVERIFIED_BATCHES | 1024)]
+  ['Unverified batches', 'Unknown coverage flags 0x400']
   """
   if isinstance(flags, bool) or not isinstance(flags, (int, np.integer)):
     raise TypeError(f"`flags` must be an int; got {flags!r}.")
@@ -472,11 +481,15 @@ def not_covered(model) -> tuple:
   Returns:
     A tuple of sentences; empty when nothing is known to be uncovered.
   """
-  if isinstance(model, ledger_lib.PrivacyLedger):
-    return tuple(flag_notes(getattr(model, "flags", 0)))
-  ledger = getattr(model, "privacy_ledger", None)
+  ledger = model if isinstance(model, ledger_lib.PrivacyLedger) else getattr(
+      model, "privacy_ledger", None)
   flags = int(getattr(ledger, "flags", 0) or 0)
   items = []
+  if flags & WARM_START:
+    source = getattr(ledger, "warm_start_source", None) or "an unnamed file"
+    items.append(FLAG_NOTES[WARM_START].replace(
+        "from a file without", f"from {source}, a file without", 1))
+    flags &= ~WARM_START
   if isinstance(model, keras.layers.Layer):
     declared = _validate_names(getattr(model, "public_state", ()) or ())
     derived = dict(data_derived_state(model))
@@ -500,6 +513,6 @@ def not_covered(model) -> tuple:
 
 
 __all__ = ["FLAG_NOTES", "OBSERVES_ONLY_ATTRIBUTE", "PUBLIC_LOG_KEYS", "PUBLIC_STATE_DECLARED",
-           "TRAINING_LOG_HOOKS", "TRAINING_METRIC_CALLBACKS", "UNVERIFIED_BATCHES",
+           "TRAINING_LOG_HOOKS", "TRAINING_METRIC_CALLBACKS", "UNVERIFIED_BATCHES", "WARM_START",
            "check_data_derived_state", "data_derived_state", "flag_notes", "frozen_layers",
            "is_training_metric", "not_covered", "steering_callbacks"]
