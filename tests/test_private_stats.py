@@ -266,3 +266,105 @@ def test_bad_arguments_fail_loudly():
   with pytest.raises(accounting.AccountingError):
     PrivacyPlan(dataset_size=10, batch_size=2, sampling="poisson", steps=1,
                 noise_multiplier=1.0, delta=1e-5, releases=(-1.0,))
+
+
+# --- non-finite and huge examples (issue 30): each contributes at most its clip --------------
+def _finite_loop_sums(features, c_mean, c_square):
+  """Oracle: :func:`_loop_sums` over the examples whose values are all finite (the others
+  contribute nothing), float64, one example at a time."""
+  keep = [i for i, x in enumerate(features.astype(np.float64)) if np.all(np.isfinite(x))]
+  return _loop_sums(features[keep], c_mean, c_square)
+
+
+HUGE_F64 = np.float64(1e300)  # finite, but its square overflows float64
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_example_contributes_exactly_zero_to_both_sums(value):
+  rng = np.random.default_rng(7)
+  features = rng.normal(size=(12, 3, 4)).astype(np.float32)
+  features[5, 1, 2] = value  # one missing (NaN) or infinite value in one channel
+  got = private_stats.clipped_moment_sums(features, 0.8, 1.1)
+  without = private_stats.clipped_moment_sums(np.delete(features, 5, axis=0), 0.8, 1.1)
+  want = _finite_loop_sums(features, 0.8, 1.1)
+  for i in range(2):
+    assert np.all(np.isfinite(got[i]))
+    np.testing.assert_allclose(got[i], want[i], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[i], without[i], rtol=1e-12, atol=1e-12)
+  assert got.nonfinite_rows == 1 and without.nonfinite_rows == 0
+
+
+@pytest.mark.parametrize("replacement", ["nan", "+inf", "-inf", "1e38", "1e20", "huge_f64",
+                                         "mixed_inf"])
+def test_replacing_one_example_moves_each_sum_by_at_most_the_clip(replacement):
+  """Add/remove one example: each sum moves by at most its clip; replace one: at most twice
+  (the old row's clipped contribution out, the new one's in); never a NaN or an inf."""
+  rng = np.random.default_rng(8)
+  base = rng.normal(size=(30, 2, 2, 5)) * 3.0
+  row = {"nan": np.full((2, 2, 5), np.nan), "+inf": np.full((2, 2, 5), np.inf),
+         "-inf": np.full((2, 2, 5), -np.inf), "1e38": np.full((2, 2, 5), 1e38),
+         "1e20": np.full((2, 2, 5), 1e20), "huge_f64": np.full((2, 2, 5), HUGE_F64),
+         "mixed_inf": np.where(np.arange(20).reshape(2, 2, 5) % 2, np.inf, -np.inf)}[replacement]
+  c_mean, c_square = 0.7, 0.9
+  replaced = base.copy()
+  replaced[11] = row
+  removed = np.delete(base, 11, axis=0)
+  dtype = np.float64 if replacement == "huge_f64" else np.float32
+  sums = {name: private_stats.clipped_moment_sums(x.astype(dtype), c_mean, c_square)
+          for name, x in (("base", base), ("replaced", replaced), ("removed", removed))}
+  for i, clip in ((0, c_mean), (1, c_square)):
+    assert np.all(np.isfinite(sums["replaced"][i]))
+    assert np.linalg.norm(sums["replaced"][i] - sums["removed"][i]) <= clip * (1 + 1e-9)
+    assert np.linalg.norm(sums["replaced"][i] - sums["base"][i]) <= 2 * clip * (1 + 1e-9)
+  # Non-finite rows (and the float64 row whose squares overflow) are dropped, counted.
+  dropped = replacement in ("nan", "+inf", "-inf", "mixed_inf", "huge_f64")
+  assert sums["replaced"].nonfinite_rows == int(dropped)
+
+
+def test_squares_of_large_float32_values_do_not_overflow():
+  """1e20 squared is 1e40, inf in float32: the moments are computed in float64, so every
+  row is finite, kept, and clipped to exactly its clip (hand oracle: N equal rows of K
+  equal entries -> N * c / sqrt(K) per channel)."""
+  n, k = 6, 4
+  for value in (1e20, 3e38):
+    features = np.full((n, 3, k), value, np.float32)
+    sum_mean, sum_square, nonfinite = private_stats.clipped_moment_sums(features, 2.0, 3.0)
+    assert nonfinite == 0
+    np.testing.assert_allclose(sum_mean, np.full(k, n * 2.0 / math.sqrt(k)), rtol=1e-12)
+    np.testing.assert_allclose(sum_square, np.full(k, n * 3.0 / math.sqrt(k)), rtol=1e-12)
+
+
+def test_clip_rows_zeroes_non_finite_rows_and_clips_overflowing_ones():
+  rows = np.array([[np.nan, 1.0], [np.inf, 0.0], [-np.inf, np.inf], [1e300, 1e300],
+                   [1e300, 0.0], [0.3, 0.4]])
+  out = private_stats.clip_rows(rows, 2.0)
+  np.testing.assert_array_equal(out[:3], np.zeros((3, 2)))
+  np.testing.assert_allclose(out[3], [math.sqrt(2.0), math.sqrt(2.0)], rtol=1e-15)  # norm 2
+  np.testing.assert_array_equal(out[4], [2.0, 0.0])
+  np.testing.assert_array_equal(out[5], rows[5])
+  np.testing.assert_array_equal(private_stats.finite_rows(rows),
+                                [False, False, False, True, True, True])
+
+
+def test_release_with_a_missing_value_stays_finite_and_never_releases_the_count(caplog):
+  """Before the fix one NaN made every released mean and variance NaN. Now the release is
+  finite and within the one-example bound of the release without that example (same noise),
+  and the count of dropped rows (exact, from the private data) is only logged, marked not
+  private: it is no field of the released object."""
+  rng = np.random.default_rng(9)
+  features = rng.normal(size=(40, 3, 5)).astype(np.float32)
+  with_nan = features.copy()
+  with_nan[3, 0, 0] = np.nan
+  kwargs = {"noise_multiplier": 2.0, "mean_clip": 1.0, "square_clip": 1.5, "dataset_size": 40}
+  with caplog.at_level("WARNING", logger="tf_dpnsgd.private_stats"):
+    got = private_stats.release_channel_moments(with_nan, ledger_lib.PrivacyLedger(),
+                                                rng=np.random.default_rng(10), **kwargs)
+  assert np.all(np.isfinite(got.mean)) and np.all(np.isfinite(got.variance))
+  without = private_stats.release_channel_moments(np.delete(features, 3, axis=0),
+                                                  ledger_lib.PrivacyLedger(),
+                                                  rng=np.random.default_rng(10), **kwargs)
+  np.testing.assert_allclose(got.mean, without.mean, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(got.variance, without.variance, rtol=1e-12, atol=1e-15)
+  assert "1 training example" in caplog.text and "NOT private" in caplog.text
+  released = json.dumps(got.to_dict())
+  assert "finite" not in released and set(got.to_dict()) == set(without.to_dict())

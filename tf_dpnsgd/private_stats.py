@@ -11,6 +11,9 @@ estimated with the Gaussian mechanism. Here, for features ``x_i`` of shape
 * each clipped to an L2 norm at most ``mean_clip`` / ``square_clip``
   (:func:`clip_rows`), so adding or removing one example moves each sum by
   at most its clip;
+* an example holding a NaN or an infinity (a missing value, say) contributes zero to
+  both sums, as the train step zeroes non-finite examples; how many did is an exact
+  count of the private data, a diagnostic (:class:`MomentSums`, logged), never released;
 * two Gaussian releases, ``sum_i m_i + N(0, (sigma C_m)^2 I)`` and
   ``sum_i s_i + N(0, (sigma C_s)^2 I)``, divided by the public ``N`` (the
   plan's dataset size, public as in every DP-SGD sampling rate ``q = B/N``);
@@ -36,7 +39,8 @@ without a seed) and are not kept.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import logging
+from typing import NamedTuple, Optional
 
 import keras
 import numpy as np
@@ -44,6 +48,7 @@ import numpy as np
 from tf_dpnsgd import ledger as ledger_lib
 
 RELEASES_PER_NORMALIZATION = 2  # the channel means and the channel mean squares
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,28 +109,77 @@ class ChannelMoments:
 
 
 def clip_rows(rows: np.ndarray, max_norm: float) -> np.ndarray:
-  """Each row of ``rows`` (``[n, K]``) scaled to an L2 norm at most ``max_norm`` (float64)."""
+  """Each row of ``rows`` (``[n, K]``) scaled to an L2 norm at most ``max_norm`` (float64).
+
+  Guarantee: every output row has norm ``<= max_norm`` (up to rounding), whatever the input:
+
+  ====================================  ==================================================
+  row                                   output row
+  ====================================  ==================================================
+  norm ``<= max_norm``                  the row, unchanged
+  finite, norm above (even if the       ``max_norm`` times its direction (the norm is taken
+  sum of squares overflows float64)     of the row divided by its largest entry)
+  zero                                  zero
+  any NaN or +-inf                      zero: it contributes nothing (as the train step's
+                                        non-finite examples); see :func:`finite_rows`
+  ====================================  ==================================================
+  """
   rows = np.asarray(rows, np.float64)
-  norms = np.linalg.norm(rows, axis=1, keepdims=True)
-  return rows * np.minimum(1.0, max_norm / np.maximum(norms, np.finfo(np.float64).tiny))
+  rows = np.where(finite_rows(rows)[:, None], rows, 0.0)
+  with np.errstate(over="ignore"):
+    inside = np.linalg.norm(rows, axis=1, keepdims=True) <= max_norm  # inf: not inside
+  scale = np.max(np.abs(rows), axis=1, keepdims=True)
+  unit = rows / np.where(scale > 0, scale, 1.0)  # largest entry +-1: no overflow below
+  unit_norm = np.linalg.norm(unit, axis=1, keepdims=True)
+  return np.where(inside, rows, unit * (max_norm / np.where(unit_norm > 0, unit_norm, 1.0)))
+
+
+def finite_rows(rows: np.ndarray) -> np.ndarray:
+  """``[n]`` bool: whether row ``i`` of ``rows`` (``[n, ...]``) holds only finite values."""
+  rows = np.asarray(rows)
+  return np.isfinite(rows.reshape(len(rows), -1)).all(axis=1)
+
+
+class MomentSums(NamedTuple):
+  """:func:`clipped_moment_sums`: the two sums (``[K]`` float64) and ``nonfinite_rows``.
+
+  ``nonfinite_rows`` counts the examples that held a NaN or an infinity (or whose mean
+  square overflowed float64) and contributed zero to both sums. It is computed from the
+  private data WITHOUT noise: a diagnostic for the data owner, NOT private; it is no
+  part of any release (never publish or log it where the release goes).
+  """
+
+  mean: np.ndarray
+  square: np.ndarray
+  nonfinite_rows: int
 
 
 def clipped_moment_sums(features, mean_clip: float, square_clip: float,
-                        chunk_size: int = 1024) -> tuple:
-  """``(sum_i clip(m_i), sum_i clip(s_i))`` over examples (see the module doc), float64.
+                        chunk_size: int = 1024) -> MomentSums:
+  """``(sum_i clip(m_i), sum_i clip(s_i), nonfinite_rows)`` over examples (see the module
+  doc), in float64 (squares of float32 values up to 3.4e38 stay finite).
+
+  An example with any non-finite value (a missing value as NaN, an infinity), or whose
+  ``m_i`` or ``s_i`` overflows float64, contributes exactly zero to BOTH sums and is
+  counted in ``nonfinite_rows`` (not private: see :class:`MomentSums`). So adding,
+  removing or replacing one example moves each sum by at most its clip, whatever it holds.
 
   ``features``: ``[N, ..., K]`` (any float dtype; read in chunks of ``chunk_size``).
   """
   _check_clip("mean_clip", mean_clip)
   _check_clip("square_clip", square_clip)
   n, k = len(features), features.shape[-1]
-  sum_mean, sum_square = np.zeros(k), np.zeros(k)
+  sum_mean, sum_square, nonfinite = np.zeros(k), np.zeros(k), 0
   for start in range(0, n, chunk_size):
     x = np.asarray(features[start:start + chunk_size], np.float64)
     x = x.reshape(len(x), -1, k)
-    sum_mean += clip_rows(x.mean(axis=1), mean_clip).sum(axis=0)
-    sum_square += clip_rows((x * x).mean(axis=1), square_clip).sum(axis=0)
-  return sum_mean, sum_square
+    with np.errstate(over="ignore", invalid="ignore"):
+      m, s = x.mean(axis=1), (x * x).mean(axis=1)
+    keep = finite_rows(x) & finite_rows(m) & finite_rows(s)
+    nonfinite += int(np.sum(~keep))
+    sum_mean += clip_rows(np.where(keep[:, None], m, 0.0), mean_clip).sum(axis=0)
+    sum_square += clip_rows(np.where(keep[:, None], s, 0.0), square_clip).sum(axis=0)
+  return MomentSums(sum_mean, sum_square, nonfinite)
 
 
 def channel_moments_from_sums(sum_mean, sum_square, dataset_size: int) -> tuple:
@@ -164,7 +218,11 @@ def release_channel_moments(features, model, *, noise_multiplier: float, mean_cl
     raise ValueError(f"`noise_multiplier` must be > 0; got {noise_multiplier!r}.")
   ledger = _ledger(model)
   n = int(dataset_size if dataset_size is not None else len(features))
-  sum_mean, sum_square = clipped_moment_sums(features, mean_clip, square_clip)
+  sum_mean, sum_square, nonfinite = clipped_moment_sums(features, mean_clip, square_clip)
+  if nonfinite:  # a diagnostic for the data owner, computed without noise: never released
+    _log.warning("tf_dpnsgd.private_stats: %d training example(s) held NaN or infinite values "
+                 "and contributed zero to the released sums. This count is NOT private "
+                 "(exact, from the private data): do not publish it.", nonfinite)
   rng = rng if rng is not None else np.random.default_rng()
   for _ in range(RELEASES_PER_NORMALIZATION):
     ledger.record_release(noise_multiplier)
@@ -219,6 +277,6 @@ def _check_clip(name, value):
     raise ValueError(f"`{name}` must be a finite number > 0; got {value!r}.")
 
 
-__all__ = ["ChannelMoments", "RELEASES_PER_NORMALIZATION", "channel_moments_from_sums",
-           "clip_rows", "clipped_moment_sums", "record_releases", "release_channel_moments",
+__all__ = ["ChannelMoments", "MomentSums", "RELEASES_PER_NORMALIZATION",
+           "channel_moments_from_sums", "clip_rows", "clipped_moment_sums", "finite_rows", "record_releases", "release_channel_moments",
            "standardize"]
