@@ -278,5 +278,5 @@ def _check_clip(name, value):
 
 
 __all__ = ["ChannelMoments", "MomentSums", "RELEASES_PER_NORMALIZATION",
-           "channel_moments_from_sums", "clip_rows", "clipped_moment_sums", "finite_rows", "record_releases", "release_channel_moments",
-           "standardize"]
+           "channel_moments_from_sums", "clip_rows", "clipped_moment_sums", "finite_rows",
+           "record_releases", "release_channel_moments", "standardize"]
