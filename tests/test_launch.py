@@ -361,3 +361,25 @@ def test_shuffle_run_refuses_to_resume_mid_epoch(tmp_path):
   out = launch("tf_dpnsgd.launch.quickstart", *common, "--max_steps=4", check=False)
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "Cannot resume this --sampling=shuffle run at step 2" in out.stderr
+
+
+@pytest.mark.slow
+def test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back(tmp_path):
+  """Issue 30: the documented non-private baseline, then the DP run with the same
+  --model_dir, used to warm-start from the SGD weights and report private: true, epsilon
+  3.999, not_covered: []. Now it is a one-line error saying what to do, and the baseline's
+  files stay as they were; the reverse (sgd over a private run) is refused too."""
+  sgd = f"--model_dir={tmp_path}/sgd"
+  launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--learning_rate=0.5",
+         "--max_steps=3", sgd)
+  before = report(tmp_path / "sgd")
+  out = launch("tf_dpnsgd.launch.quickstart", "--max_steps=3", sgd, check=False)
+  assert out.returncode != 0 and "Traceback" not in out.stderr and "FATAL" in out.stderr
+  assert "NON-PRIVATE run" in out.stderr and "Use a new --model_dir" in out.stderr
+  assert report(tmp_path / "sgd") == before and before["private"] is False
+  dp = f"--model_dir={tmp_path}/dp"
+  launch("tf_dpnsgd.launch.quickstart", "--max_steps=2", dp)
+  out = launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--max_steps=3", dp,
+               check=False)
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "would overwrite" in out.stderr and report(tmp_path / "dp")["private"] is True

@@ -103,9 +103,42 @@ def build(build_model: Callable[[], keras.Model], optimizer, *, loss,
   return base, model
 
 
+def checkpoint_has_ledger(path: str) -> bool:
+  """Whether the Keras weights file ``path`` (``.weights.h5``) holds a privacy ledger: a
+  group ``privacy_ledger`` with variables, as a DP model's ``save_weights`` writes it. Any
+  other file (a plain model's weights, not HDF5): False."""
+  import h5py  # pylint: disable=import-outside-toplevel
+
+  if not h5py.is_hdf5(path):
+    return False
+  found = []
+
+  def visit(name, obj):
+    if (isinstance(obj, h5py.Group) and name.rsplit("/", 1)[-1] == "privacy_ledger"
+        and isinstance(obj.get("vars"), h5py.Group) and len(obj["vars"])):
+      found.append(name)
+
+  with h5py.File(path, "r") as f:
+    f.visititems(visit)
+  return bool(found)
+
+
 def restore(model: keras.Model, path: str, strategy=None) -> int:
   """Loads the checkpoint ``path`` (weights, optimizer state and the privacy ledger) into
-  ``model``; returns the steps it had taken."""
+  ``model``; returns the steps it had taken.
+
+  Raises:
+    ValueError: ``model`` is private and ``path`` holds no privacy ledger
+      (:func:`checkpoint_has_ledger`): resuming it would start DP training from weights no
+      epsilon covers (a non-private run's, say). A deliberate warm start from public
+      weights is not a resume.
+  """
+  private = isinstance(getattr(model, "privacy_ledger", None), ledger_lib.PrivacyLedger)
+  if private and not checkpoint_has_ledger(path):
+    raise ValueError(f"Cannot resume the private model from {path}: the file holds no privacy "
+                     "ledger (the weights of a non-private model, or not a DP checkpoint), so "
+                     "the weights it holds are outside any epsilon. Train from a new "
+                     "directory.")
   strategy = strategy or tf.distribute.get_strategy()
   with strategy.scope():
     model.optimizer.build(model.trainable_variables)
@@ -290,5 +323,6 @@ class StepProgbar(keras.callbacks.ProgbarLogger):
     super().on_epoch_end(epoch, logs)
 
 
-__all__ = ["EpochRecorder", "StepProgbar", "StopAtStep", "Trained", "build", "fit",
-           "fit_only_steps_to_run", "make_strategy", "restore", "steps_of"]
+__all__ = ["EpochRecorder", "StepProgbar", "StopAtStep", "Trained", "build",
+           "checkpoint_has_ledger", "fit", "fit_only_steps_to_run", "make_strategy", "restore",
+           "steps_of"]

@@ -8,9 +8,10 @@ below takes plain arguments. :func:`run_experiment` takes an
 A run with ``model_dir`` writes there:
 
 * ``checkpoint.weights.h5``: model and optimizer state (and the model's privacy
-  ledger; never the noise key) at each epoch end; a rerun with the same
-  ``model_dir`` resumes from it, and the sampler continues at the restored step,
-  so the privacy report counts every step taken;
+  ledger; never the noise key) at each epoch end; a rerun of the same run resumes
+  from it (``run.json``: private or not, plan, dataset; any other run is refused,
+  :mod:`tf_dpnsgd.launch.resume`), the sampler continuing at the restored step;
+* ``run.json``: what trained the checkpoint (written before training);
 * ``history.json``: per-epoch metrics (``loss``, ``accuracy``, ``val_*``,
   ``epsilon``, ``learning_rate``, ``grad_norm``, ...), kept across resumes;
 * ``tensorboard/``: the same scalars for TensorBoard;
@@ -54,6 +55,7 @@ from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import runner
 from tf_dpnsgd import schedules
+from tf_dpnsgd.launch import resume
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.records import RunRecord
 
@@ -454,25 +456,11 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
     raise LaunchError(str(e)) from None
 
 
-def _check_resume_point(plan: Optional[PrivacyPlan], start_step: int) -> None:
-  """Refuses to resume a shuffle-sampled run mid-epoch (see the module docstring)."""
-  if plan is None or plan.sampling != "shuffle" or start_step >= plan.num_steps:
-    return
-  spe = plan.spec.steps_per_epoch
-  if start_step % spe:
-    raise LaunchError(
-        f"Cannot resume this --sampling=shuffle run at step {start_step}, inside epoch "
-        f"{start_step // spe + 1} ({spe} steps per epoch): the sampler seed is never saved, so "
-        "the rest of the epoch would follow a new permutation and repeat examples, which "
-        "the per-epoch accounting excludes. Use a new --model_dir, or stop shuffle runs at "
-        "epoch ends (--max_steps a multiple of the steps per epoch).")
-
-
 def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model],
                    train: tuple, test: tuple, loss, export_fn=None, metrics=("accuracy",),
                    augment_fn=None, extra_report: Optional[dict] = None,
                    print_fn: Optional[Callable[[int, dict], Any]] = None,
-                   after_training: Optional[Callable] = None) -> dict:
+                   after_training: Optional[Callable] = None, not_covered=()) -> dict:
   """Trains ``build_model()`` on ``train`` with DP (or SGD), evaluates on ``test``.
 
   A private run on the default strategy takes the one-call path: the model owns
@@ -493,6 +481,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     print_fn: called with ``(epoch, logs)`` at each epoch end.
     after_training: ``(model, plan, final_metrics) -> dict`` of fields added to the report
       (e.g. the canary audit's ``"audit"`` entry, :mod:`tf_dpnsgd.launch.canary_audit`).
+    not_covered: sentences added to a private run's ``not_covered`` (releases the launcher
+      makes outside the epsilon, e.g. a canary audit of training rows).
 
   Returns:
     The run's :class:`~tf_dpnsgd.records.RunRecord`, also written (``to_dict()``, plus
@@ -542,13 +532,22 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     os.makedirs(cfg.model_dir, exist_ok=True)
     ckpt = os.path.join(cfg.model_dir, "checkpoint.weights.h5")
     hist_path = os.path.join(cfg.model_dir, "history.json")
-    if os.path.exists(ckpt):
-      start_step = runner.restore(model, ckpt, strategy)
+    marker = resume.run_marker(cfg.private, plan.public_dict() if plan else None,
+                               (extra_report or {}).get("dataset"))
+    if os.path.exists(ckpt):  # only the run that wrote it continues (tf_dpnsgd.launch.resume)
+      try:
+        resume.check_resume(cfg.model_dir, resume.read_marker(cfg.model_dir), marker,
+                            runner.checkpoint_has_ledger(ckpt))
+        start_step = runner.restore(model, ckpt, strategy)
+        resume.check_resume_point(plan, start_step)
+      except resume.ResumeError as e:
+        raise LaunchError(str(e)) from None
       if os.path.exists(hist_path):
         with open(hist_path) as f:
           history = json.load(f)
       logging.info("Resumed from %s at step %d.", ckpt, start_step)
-  _check_resume_point(plan, start_step)
+    if chief:
+      resume.write_marker(cfg.model_dir, marker)
   if not chief:  # only the chief writes (checkpoints, history, TensorBoard, reports, export)
     ckpt = hist_path = None
 
@@ -575,6 +574,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     run["extra"].update(after_training(model, plan, run["final_metrics"]))
   if plan:
     record = RunRecord.from_privacy_report(trained.report, noise_multiplier=sigma, **run)
+    record = dataclasses.replace(record, not_covered=record.not_covered + tuple(not_covered))
   else:  # no epsilon at all (JSON has no inf), and "private": false
     record = RunRecord.non_private(steps=trained.steps, dataset_size=n, **run)
   if cfg.model_dir and chief:
