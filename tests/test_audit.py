@@ -810,6 +810,8 @@ def test_quickstart_audit_canaries_through_the_normal_run(tmp_path):
   report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
   block = report["audit"]
   _check_audit_block(block, report["epsilon"], m, "gradient")
+  # Synthetic canaries, OS coins, the trained model: post-processing, nothing not covered.
+  assert not any("Canary audit" in item for item in report["not_covered"])
   # The canaries were rows of the training set the plan accounted (N = 1437 + included).
   (x_train, _), (x_test, y_test) = digits.load_digits(test_fraction=0.2, seed=0)
   assert report["dataset_size"] == len(x_train) + block["num_included"]
@@ -846,6 +848,12 @@ def test_mnist_audit_input_canaries_with_baseline(tmp_path):
   utility = block["utility"]
   assert utility["accuracy_cost"] == pytest.approx(
       utility["test_accuracy_without_canaries"] - utility["test_accuracy_with_canaries"])
+  # Issue 30: input canaries are private training rows (those left out never pass through
+  # the mechanism) and the baseline is a second model of the same rows: both are releases
+  # outside the epsilon, listed (the report used to say not_covered: []).
+  audit_items = [item for item in report["not_covered"] if item.startswith("Canary audit")]
+  assert len(audit_items) == 2 and "last 100 rows of the private training set" in audit_items[0]
+  assert "second model trained on the same private rows" in audit_items[1]
 
 
 @pytest.mark.slow
@@ -876,3 +884,15 @@ def test_sst2_audit_input_canaries_and_gradient_refused(tmp_path):
   proc = _run_module("tf_dpnsgd.launch.sst2", *common, f"--model_dir={tmp_path}/run2")
   assert proc.returncode == 1 and "--audit_canary_kind=input" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def test_canary_audit_not_covered_lists_what_reads_private_rows_outside_the_mechanism():
+  from tf_dpnsgd.launch import canary_audit
+  spec = canary_audit.AuditSpec
+  assert canary_audit.not_covered(spec()) == ()                       # no audit
+  assert canary_audit.not_covered(spec(num_canaries=10)) == ()        # gradient: post-processing
+  (item,) = canary_audit.not_covered(spec(num_canaries=10, kind="input"))
+  assert "last 10 rows of the private training set" in item and "outside the epsilon" in item
+  (item,) = canary_audit.not_covered(spec(num_canaries=10, baseline=True))
+  assert "second model" in item
+  assert len(canary_audit.not_covered(spec(num_canaries=10, kind="input", baseline=True))) == 2

@@ -23,7 +23,9 @@ f-DP one-run lower bounds from the same guesses); ``privacy_report.json`` (in
   smaller); scored by ``--audit_score`` (the final model's loss or margin).
 
 ``--audit_baseline`` also trains once without canaries (same flags, nothing
-written) to measure the utility cost. An audited run does not resume from a
+written) to measure the utility cost. Input canaries (rows of the private training
+set) and the baseline's accuracy are releases outside the run's epsilon: the
+report's ``not_covered`` lists them (:func:`not_covered`). An audited run does not resume from a
 checkpoint (its coins are not saved) and does not run on several workers
 (each would draw its own coins): both are refused.
 """
@@ -102,6 +104,37 @@ def _check_can_audit(cfg: common.ExperimentConfig, spec: AuditSpec, n: int, batc
     raise common.LaunchError(
         f"--audit_canary_kind=input takes the last {spec.num_canaries} of {n} training rows as "
         f"canaries, leaving fewer real rows than --batch_size={batch}.")
+
+
+def not_covered(spec: AuditSpec) -> tuple:
+  """What the audit entry of the report releases outside the run's epsilon (sentences for
+  ``not_covered``; empty for a gradient audit without baseline).
+
+  The audit reads the trained model, the canaries, the coins (OS, independent of the data)
+  and the test set. Gradient canaries are synthetic and the scores are the trained
+  model's canary table: post-processing of the DP release, covered. Input canaries are
+  the last ``m`` rows of the private training set: those not included never pass
+  through the Gaussian mechanism, yet their scores decide the audit's correct guesses,
+  AUROC, TPR and bounds. ``--audit_baseline`` trains a second model on the same rows:
+  its accuracy is a second release, composed with nothing in the report's epsilon.
+  """
+  if not spec.num_canaries:
+    return ()
+  items = []
+  if spec.kind == "input":
+    items.append(
+        f"Canary audit (the report's 'audit' entry): its {spec.num_canaries} input canaries "
+        f"are the last {spec.num_canaries} rows of the private training set; those not "
+        "included never passed through the Gaussian mechanism, and the audit's numbers "
+        "(correct guesses, AUROC, TPR, lower bounds) are computed from their scores, outside "
+        "the epsilon. Do not publish the audit entry, or audit with "
+        "--audit_canary_kind=gradient (synthetic canaries).")
+  if spec.baseline:
+    items.append(
+        "Canary audit baseline (audit.utility.test_accuracy_without_canaries): the accuracy "
+        "of a second model trained on the same private rows; the epsilon covers this run "
+        "only, not that second release.")
+  return tuple(items)
 
 
 def _gradient_norm(cfg: common.ExperimentConfig) -> float:
@@ -193,7 +226,8 @@ def run_experiment(cfg: common.ExperimentConfig, spec: AuditSpec,
     return {"audit": block}
 
   record = common.run_experiment(cfg, build, (x, y), test, loss=loss, export_fn=audited_export,
-                                 print_fn=print_fn, after_training=after_training, **kwargs)
+                                 print_fn=print_fn, after_training=after_training,
+                                 not_covered=not_covered(spec), **kwargs)
   return record, holder["block"]
 
 
@@ -222,4 +256,5 @@ def print_audit(block: Optional[dict], print_fn=print) -> None:
              "not a proof of it).")
 
 
-__all__ = ["AuditSpec", "define_flags", "print_audit", "run_experiment", "spec_from_flags"]
+__all__ = ["AuditSpec", "define_flags", "not_covered", "print_audit", "run_experiment",
+           "spec_from_flags"]
