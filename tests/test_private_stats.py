@@ -93,7 +93,7 @@ def test_release_records_two_releases_before_drawing_noise():
     private_stats.release_channel_moments(np.ones((10, 3, 4)), model, noise_multiplier=8.0,
                                           mean_clip=1.0, square_clip=1.0, rng=Exploding())
   assert ledger.releases == 2
-  assert ledger.min_release_noise_multiplier == pytest.approx(8.0)
+  assert ledger.release_noise_multipliers == (8.0, 8.0)
 
 
 def test_a_release_on_the_keras_model_is_in_the_ledger_make_private_continues():
@@ -180,7 +180,7 @@ def test_a_rolled_back_ledger_keeps_its_releases():
                                         mean_clip=1.0, square_clip=1.0)
   ledger.load_own_variables(before)  # e.g. load_weights of a file saved before the release
   assert ledger.releases == 2
-  assert ledger.min_release_noise_multiplier == pytest.approx(8.0)
+  assert ledger.release_noise_multipliers == (8.0, 8.0)
 
 
 def test_releases_travel_with_the_saved_model(tmp_path):
@@ -192,7 +192,7 @@ def test_releases_travel_with_the_saved_model(tmp_path):
   other = _private_model()
   other.load_weights(path)
   assert ledger_lib.ledger_of(other).releases == 2
-  assert ledger_lib.ledger_of(other).min_release_noise_multiplier == pytest.approx(6.0)
+  assert ledger_lib.ledger_of(other).release_noise_multipliers == (6.0, 6.0)
 
 
 def _six_channels(seed):

@@ -164,6 +164,18 @@ def _take(iterator, count):
   return batches
 
 
+def _build_and_choose_engine(model, data) -> None:
+  """A subclassed model compiled before it was built: build it on the first batch's
+  features (a forward pass, nothing trained), then choose the per-example engine."""
+  if not model.built:
+    if distribution.num_replicas(model.distribute_strategy) > 1:
+      raise ValueError(f"Build model '{model.name}' before fit under a tf.distribute "
+                       "strategy: call it on a batch or model.build(input_shape) in scope.")
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    model(x, training=False)
+  model._dp_resolve_engine()
+
+
 def wrap(model, main):
   """Returns the guarded train function around Keras' ``main`` (see the module doc)."""
   state = model._dp_guard
@@ -176,7 +188,9 @@ def wrap(model, main):
   def function(iterator):
     ledger.sync()
     batches = _take(iterator, max(1, int(model.steps_per_execution)))
-    summaries = [summarize(reader, strategy, data) for data in batches]
+    if getattr(model, "_dp_engine", None) is None:
+      _build_and_choose_engine(model, batches[0])
+    summaries, row_checks = zip(*[summarize(reader, strategy, data) for data in batches])
     if state.fit_checks_pending:
       _check_workers(strategy, ledger, summaries[0])
       state.fit_checks_pending = False

@@ -94,6 +94,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import weakref
 from typing import Optional
 
 import keras
@@ -121,10 +122,17 @@ _LEDGER_NAME = "dp_privacy_ledger"
 # reads it here, never from the optimizer).
 ADAPTIVE_FIELDS = ("adaptive_steps", "min_clipped_count_stddev", "l2_norm_clip",
                    "initial_l2_norm_clip", "target_unclipped_quantile", "clip_learning_rate")
+# Statistics releases are kept one by one (an event each, in the order they ran), never as a
+# count and a minimum: a plan is checked against exactly these events.
+MAX_RELEASES = 64
+RELEASE_FIELD = "release_noise_multipliers"
+WARM_START_FIELD = "warm_start_source"  # utf-8 bytes of the last file loaded without a ledger
+_SOURCE_BYTES = 256
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
            "min_noise_multiplier", "noise_generation", "lineage", "flags", "releases",
-           "min_release_noise_multiplier") + ADAPTIVE_FIELDS
-_MIN_FIELDS = ("min_noise_multiplier", "min_release_noise_multiplier")  # start at +inf
+           RELEASE_FIELD, WARM_START_FIELD) + ADAPTIVE_FIELDS
+_MIN_FIELDS = ("min_noise_multiplier",)  # start at +inf
+_SHAPES = {RELEASE_FIELD: (MAX_RELEASES,), WARM_START_FIELD: (_SOURCE_BYTES,)}
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
                "min_noise_multiplier")  # files written before the seed hash existed
 # In-process high-water marks, lineage -> (steps, state): a rollback of ANY ledger object of
@@ -212,13 +220,14 @@ class PrivacyLedger(keras.layers.Layer):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
     dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32",
-              "min_release_noise_multiplier": "float32"}
+              RELEASE_FIELD: "float64", WARM_START_FIELD: "int32"}
     dtypes.update({name: "float32" for name in ADAPTIVE_FIELDS[1:]})
     self._vars = {}
     for name in _FIELDS:
       init = (keras.initializers.Constant(np.inf)
               if name in _MIN_FIELDS or name == "min_clipped_count_stddev" else "zeros")
-      self._vars[name] = self.add_weight(shape=(), dtype=dtypes.get(name, "int64"),
+      self._vars[name] = self.add_weight(shape=_SHAPES.get(name, ()),
+                                         dtype=dtypes.get(name, "int64"),
                                          initializer=init, trainable=False, name=name,
                                          aggregation="only_first_replica")
       setattr(self, f"_var_{name}", self._vars[name])  # a tf.train.Checkpoint dependency
@@ -232,7 +241,8 @@ class PrivacyLedger(keras.layers.Layer):
     out = {}
     for name, v in self._vars.items():
       value = np.asarray(v.numpy())
-      out[name] = float(value) if value.dtype.kind == "f" else int(value)
+      cast = float if value.dtype.kind == "f" else int
+      out[name] = [cast(a) for a in value] if value.ndim else cast(value)
     return out
 
   @property
@@ -276,8 +286,20 @@ class PrivacyLedger(keras.layers.Layer):
     return int(self._vars["releases"].numpy())
 
   @property
-  def min_release_noise_multiplier(self) -> float:
-    return float(self._vars["min_release_noise_multiplier"].numpy())
+  def release_noise_multipliers(self) -> tuple:
+    """The noise multiplier of each release, in the order they ran (one Gaussian
+    mechanism each on the whole training set, sensitivity-normalized)."""
+    return tuple(release_list(self.state()))
+
+  def release_events(self) -> list:
+    """The dp-accounting events of the releases (what the accountant composes)."""
+    import dp_accounting  # pylint: disable=g-import-not-at-top
+    return [dp_accounting.GaussianDpEvent(m) for m in self.release_noise_multipliers]
+
+  @property
+  def warm_start_source(self) -> Optional[str]:
+    """The last file whose weights were loaded without a privacy ledger (None if none)."""
+    return _decode_source(self.state()[WARM_START_FIELD])
 
   @property
   def flags(self) -> int:
@@ -300,9 +322,8 @@ class PrivacyLedger(keras.layers.Layer):
             "user_seeded_noise_steps": self.user_seeded_steps,
             "min_noise_multiplier": (None if self.steps == 0 else self.min_noise_multiplier),
             "noise_generation": self.noise_generation, "flags": self.flags,
-            "releases": self.releases,
-            "min_release_noise_multiplier": (self.min_release_noise_multiplier
-                                             if self.releases else None)}
+            "releases": list(self.release_noise_multipliers),
+            "warm_start_source": self.warm_start_source}
 
   # --- host-side writes (eager) ----------------------------------------------
   def expect(self, sampling: Optional[str]) -> None:
@@ -315,14 +336,38 @@ class PrivacyLedger(keras.layers.Layer):
     self._host_write("flags", self.flags | int(bits))
 
   def record_release(self, noise_multiplier: float) -> None:
-    """Counts one Gaussian release of training-set statistics (never uncounted)."""
+    """Records one Gaussian release of training-set statistics as its own event (never
+    removed): its noise multiplier, in order after the releases before it."""
     noise_multiplier = float(noise_multiplier)
-    if not noise_multiplier > 0:
-      raise ValueError(f"A release needs a noise multiplier > 0; got {noise_multiplier!r}.")
+    if not (noise_multiplier > 0 and np.isfinite(noise_multiplier)):
+      raise ValueError(f"A release needs a finite noise multiplier > 0; got "
+                       f"{noise_multiplier!r}.")
     self.sync()
-    self._vars["releases"].assign(self.releases + 1)
-    self._vars["min_release_noise_multiplier"].assign(
-        min(self.min_release_noise_multiplier, noise_multiplier))
+    made = self.releases
+    if made >= MAX_RELEASES:
+      raise ValueError(f"The privacy ledger holds at most {MAX_RELEASES} statistics releases; "
+                       "release the statistics of several channels together instead.")
+    values = np.array(self._vars[RELEASE_FIELD].numpy())
+    values[made] = noise_multiplier
+    self._vars[RELEASE_FIELD].assign(values)
+    self._vars["releases"].assign(made + 1)
+    state = self.state()
+    self._note(state)
+    lineage_lib.record_steps(self.lineage, self.steps, releases=self.release_noise_multipliers)
+    owner = getattr(self, "_weights_owner", None)
+    owner = owner() if owner is not None else None
+    if owner is not None and owner.built and owner.get_weights():
+      # Weights reloaded without this ledger (base.save + load_model) get it back here.
+      lineage_lib.record_weights(lineage_lib.fingerprint(owner.get_weights()), state)
+
+  def record_warm_start(self, source: str) -> None:
+    """Weights were loaded from ``source``, a file without a privacy ledger: the user's claim
+    that they are public (a pretrained checkpoint). Flags the ledger (never cleared) and keeps
+    the file name for the report's ``not_covered``."""
+    from tf_dpnsgd import coverage  # pylint: disable=g-import-not-at-top
+    self.sync()
+    self._vars[WARM_START_FIELD].assign(_encode_source(source))
+    self._vars["flags"].assign(self.flags | coverage.WARM_START)
     self._note(self.state())
 
   def adopt_lineage(self, lineage: int) -> None:
@@ -363,8 +408,11 @@ class PrivacyLedger(keras.layers.Layer):
     recorded = lineage_lib.max_steps(lineage)
     if reached is None or recorded > reached[0]:
       reached = (recorded, None)
-    old_releases = (reached[1] or {}).get("releases", 0)
-    if state["steps"] < reached[0] or state["releases"] < old_releases:
+    old_releases = list(lineage_lib.max_releases(lineage))
+    if reached[1] is not None:
+      old_releases = merge_releases(old_releases, release_list(reached[1]))
+    lost = merge_releases(release_list(state), old_releases) != release_list(state)
+    if state["steps"] < reached[0] or lost:
       merged = dict(state, steps=max(state["steps"], reached[0]),
                     noise_generation=max(state["noise_generation"],
                                          (reached[1] or {}).get("noise_generation", 0)) + 1)
@@ -377,10 +425,14 @@ class PrivacyLedger(keras.layers.Layer):
         merged["adaptive_steps"] = max(state["adaptive_steps"], old.get("adaptive_steps", 0))
         merged["min_clipped_count_stddev"] = min(state["min_clipped_count_stddev"],
                                                  old.get("min_clipped_count_stddev", np.inf))
-        merged["releases"] = max(state["releases"], old.get("releases", 0))
-        merged["min_release_noise_multiplier"] = min(
-            state["min_release_noise_multiplier"],
-            old.get("min_release_noise_multiplier", np.inf))
+        merged[WARM_START_FIELD] = (state[WARM_START_FIELD] if any(state[WARM_START_FIELD])
+                                    else old.get(WARM_START_FIELD, state[WARM_START_FIELD]))
+      releases = merge_releases(release_list(state), old_releases)
+      if len(releases) > MAX_RELEASES:
+        raise ValueError("The privacy ledger's merged history holds more than "
+                         f"{MAX_RELEASES} statistics releases.")
+      merged["releases"] = len(releases)
+      merged[RELEASE_FIELD] = releases + [0.0] * (MAX_RELEASES - len(releases))
       _log.warning(
           "tf_dpnsgd: the privacy ledger was restored to step %d, but its lineage already "
           "executed %d private steps; it keeps counting %d (the steps of the abandoned branch "
@@ -405,18 +457,25 @@ class PrivacyLedger(keras.layers.Layer):
     state = self.state()
     for name, value in state.items():
       store[name] = np.asarray(self._vars[name].numpy())
-    lineage_lib.record_steps(state["lineage"], state["steps"])
+    lineage_lib.record_steps(state["lineage"], state["steps"], releases=release_list(state))
 
   def load_own_variables(self, store):
     keys = list(store.keys()) if hasattr(store, "keys") else []
     if not keys:
       # A file without a ledger (weights of a plain model: a warm start). The weights change
-      # by hand, the ledger keeps what this lineage executed.
-      _log.info("tf_dpnsgd: the loaded file holds no privacy ledger; the model keeps its own "
-                "(%d steps).", self.steps)
+      # by hand, the ledger keeps what this lineage executed and names the file.
+      source = getattr(self, "_loading_source", None) or "the loaded file"
+      _log.warning("tf_dpnsgd: %s holds no privacy ledger: its weights are taken as public "
+                   "(a warm start; the report lists it as not covered); the model keeps its "
+                   "own ledger (%d steps).", source, self.steps)
+      self.record_warm_start(source)
       return
     if "steps" in keys:
       values = {name: store[name] for name in _FIELDS if name in keys}
+      if values.get("releases") and RELEASE_FIELD not in values:
+        raise ValueError("This file's privacy ledger counts statistics releases without their "
+                         "noise multipliers (written by an older tf_dpnsgd); it cannot be "
+                         "accounted. Train again with this version.")
     else:
       values = {name: store[str(i)] for i, name in enumerate(_OLD_FIELDS)}
     self._assign({k: np.asarray(v) for k, v in values.items()})
@@ -526,6 +585,51 @@ class PrivacyLedger(keras.layers.Layer):
                   v["min_clipped_count_stddev"].value, f32("clipped_count_stddev")))]
       ops += [v[name].assign(f32(name)) for name in ADAPTIVE_FIELDS[2:]]
     return ops
+
+
+def bind_weights_owner(ledger: "PrivacyLedger", model) -> None:
+  """Remembers (weakly) the model whose weights ``ledger`` describes: a release records
+  their fingerprint with the ledger's state (:mod:`tf_dpnsgd.lineage`)."""
+  object.__setattr__(ledger, "_weights_owner", weakref.ref(model))
+
+
+def weights_owner(ledger: "PrivacyLedger"):
+  """The model bound by :func:`bind_weights_owner`, or None."""
+  ref = getattr(ledger, "_weights_owner", None)
+  return ref() if ref is not None else None
+
+
+def release_list(state: dict) -> list:
+  """The noise multipliers of a ledger state's releases, in order."""
+  return [float(m) for m in list(state.get(RELEASE_FIELD, []))[:int(state.get("releases", 0))]]
+
+
+def merge_releases(a, b) -> list:
+  """The releases of two histories of one lineage: their common prefix, then what each
+  branch released after it (a rolled-back release was still released, so it stays).
+
+  >>> merge_releases([8.0, 8.0], [8.0, 8.0, 2.0])
+  [8.0, 8.0, 2.0]
+  >>> merge_releases([8.0, 4.0], [8.0, 2.0])
+  [8.0, 4.0, 2.0]
+  """
+  a, b = [float(x) for x in a], [float(x) for x in b]
+  common = 0
+  while common < min(len(a), len(b)) and a[common] == b[common]:
+    common += 1
+  return a + b[common:]
+
+
+def _encode_source(source: str) -> np.ndarray:
+  raw = str(source).encode("utf-8")[-_SOURCE_BYTES:]
+  out = np.zeros(_SOURCE_BYTES, np.int32)
+  out[:len(raw)] = list(raw)
+  return out
+
+
+def _decode_source(values) -> Optional[str]:
+  raw = bytes(int(v) for v in values if int(v))
+  return raw.decode("utf-8", errors="replace") if raw else None
 
 
 def ledger_of(model) -> PrivacyLedger:

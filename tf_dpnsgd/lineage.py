@@ -100,11 +100,33 @@ def max_steps(lineage: int) -> int:
   return int(record.get("max_steps", 0)) if record else 0
 
 
-def record_steps(lineage: int, steps: int) -> None:
-  """Raises the recorded maximum of ``lineage`` to ``steps`` (never lowers it)."""
-  if not lineage or steps <= max_steps(lineage):
+def max_releases(lineage: int) -> tuple:
+  """The statistics releases lineage ``lineage`` recorded on this machine (noise multipliers)."""
+  if not lineage:
+    return ()
+  record = _read(_lineage_path(lineage))
+  return tuple(float(m) for m in (record or {}).get("releases", []))
+
+
+def record_steps(lineage: int, steps: int, releases=()) -> None:
+  """Raises the recorded maximum of ``lineage`` to ``steps`` (never lowers it) and keeps
+  every release it made (``releases``: noise multipliers in order; a longer history wins,
+  a diverging one is appended, never dropped)."""
+  if not lineage:
     return
-  _write(_lineage_path(lineage), {"lineage": int(lineage), "max_steps": int(steps)})
+  old = _read(_lineage_path(lineage)) or {}
+  old_steps = int(old.get("max_steps", 0))
+  old_releases = [float(m) for m in old.get("releases", [])]
+  releases = [float(m) for m in releases]
+  common = 0
+  while common < min(len(old_releases), len(releases)) and \
+      old_releases[common] == releases[common]:
+    common += 1
+  merged = old_releases + releases[common:]
+  if steps <= old_steps and merged == old_releases:
+    return
+  _write(_lineage_path(lineage), {"lineage": int(lineage), "max_steps": max(int(steps), old_steps),
+                                  "releases": merged})
 
 
 def record_weights(weights_fingerprint: str, state: dict) -> None:
@@ -117,5 +139,5 @@ def lookup_weights(weights_fingerprint: str) -> Optional[dict]:
   return _read(os.path.join(directory(), "weights", f"{weights_fingerprint}.json"))
 
 
-__all__ = ["ENV_VAR", "directory", "fingerprint", "lookup_weights", "max_steps",
+__all__ = ["ENV_VAR", "directory", "fingerprint", "lookup_weights", "max_releases", "max_steps",
            "record_steps", "record_weights"]

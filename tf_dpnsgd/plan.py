@@ -182,9 +182,14 @@ class PrivacyPlan:
     """The report the plan promises if all planned steps run (planning only)."""
     return self._report(self.num_steps)
 
-  def _report(self, steps: int, notes=()) -> accounting.PrivacyReport:
+  def _report(self, steps: int, notes=(), releases=None) -> accounting.PrivacyReport:
+    """The report for ``steps`` steps and ``releases`` (default: the planned ones)."""
     target = None if self.target_epsilon is None else float(self.target_epsilon)
-    report = self.step_accountant.report(
+    accountant = self.step_accountant
+    if releases is not None and tuple(releases) != self.releases:
+      accountant = accounting.StepAccountant(self._spec_with_releases(releases),
+                                             self.training_noise_multiplier, self.delta)
+    report = accountant.report(
         steps, target_epsilon=target,
         calibration_tolerance=None if target is None else self.calibration_tolerance)
     if notes:
@@ -233,35 +238,56 @@ class PrivacyPlan:
     return notes
 
   def _check_releases(self, ledger) -> None:
-    """Refuses a ledger that recorded more releases, or noisier-than-planned ones, than
-    this plan accounts for."""
-    made = ledger.releases
-    if made > len(self.releases):
+    """Refuses a ledger whose releases this plan does not account for, event by event.
+
+    Each release the ledger recorded must be matched by a planned release of at most its
+    noise multiplier (the planned epsilon then bounds the releases' part): the ledger's
+    multipliers and the plan's, each sorted, must satisfy ``plan[i] <= ledger[i]`` for
+    every release made (:func:`releases_covered`), never a count and a minimum.
+    """
+    made = ledger.release_noise_multipliers
+    if len(made) > len(self.releases):
       raise ledger_lib.LedgerMismatchError(
-          f"The model's privacy ledger records {made} release(s) of training-set statistics "
-          f"(e.g. private feature normalization), but this plan accounts for "
-          f"{len(self.releases)}: its epsilon would leave them out. Give the plan "
-          "releases=(...) with the noise multiplier of each release.")
-    if made and ledger.min_release_noise_multiplier < min(self.releases) * (1 - 1e-6):
+          f"The model's privacy ledger records {len(made)} release(s) of training-set "
+          f"statistics (noise multipliers {_fmt(made)}; e.g. private feature normalization), "
+          f"but this plan accounts for {len(self.releases)}: its epsilon would leave them "
+          "out. Give the plan releases=(...) with the noise multiplier of each release.")
+    if not releases_covered(self.releases, made):
       raise ledger_lib.LedgerMismatchError(
-          f"A release recorded in the model's privacy ledger used noise multiplier "
-          f"{ledger.min_release_noise_multiplier:.6g}, below the plan's smallest "
-          f"({min(self.releases):.6g}): the plan's epsilon would understate it.")
+          f"The releases recorded in the model's privacy ledger (noise multipliers "
+          f"{_fmt(made)}) are not covered by the plan's ({_fmt(self.releases)}): a release "
+          "used less noise than the planned release it would be matched with (below the "
+          "plan), so the plan's epsilon would understate it. Give the plan the releases "
+          "that ran: releases=model.privacy_ledger.release_noise_multipliers.")
+
+  def _spec_with_releases(self, releases) -> accounting.AccountingSpec:
+    releases = tuple(releases)
+    if releases == self.releases:
+      return self.spec
+    return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
+                                self.accountant, self.bound, self.conversion,
+                                releases=releases)
 
   def report(self, model=None) -> accounting.PrivacyReport:
     """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
 
+    The accountant composes the ledger's events: its steps (at the plan's noise
+    multiplier, which every step's is checked against) and exactly the statistics
+    releases the ledger recorded (not the planned ones).
+
     Raises:
-      LedgerMismatchError: the ledger's steps are not what this plan accounts for.
+      LedgerMismatchError: the ledger's steps or releases are not what this plan
+        accounts for.
     """
     ledger = _as_ledger(model)
     notes = self.check_ledger(ledger)
     steps = ledger.steps
+    releases = ledger.release_noise_multipliers
     if ledger.kind == ledger_lib.UNTAGGED:
       # One composition per step: the shuffle accountant with one batch per "epoch".
       spec = accounting.make_spec(self.dataset_size, self.dataset_size, "shuffle",
                                   self.accountant, self.bound, self.conversion,
-                                  releases=self.releases)
+                                  releases=releases)
       report = accounting.StepAccountant(spec, self.training_noise_multiplier,
                                          self.delta).report(steps)
       return dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes),
@@ -271,7 +297,7 @@ class PrivacyPlan:
                    "covers all of them.")
     notes.extend(self._adaptive_clipping_notes(ledger))
     # What the model depends on outside the Gaussian mechanism (tf_dpnsgd.coverage).
-    return dataclasses.replace(self._report(steps, notes),
+    return dataclasses.replace(self._report(steps, notes, releases=releases),
                                not_covered=coverage.not_covered(model))
 
   def _adaptive_clipping_notes(self, ledger) -> list:
@@ -300,9 +326,52 @@ class PrivacyPlan:
     """Epsilon of what ``model``'s ledger executed (see :meth:`report`)."""
     return self.report(model).epsilon
 
+  def extended(self, *, target_epsilon: Optional[float] = None,
+               epochs: Optional[float] = None, steps: Optional[int] = None) -> "PrivacyPlan":
+    """This plan with more steps at the SAME noise multiplier (what
+    ``model.extend_privacy_plan`` does for a model that owns its plan).
+
+    The steps already taken used :attr:`training_noise_multiplier`; the new plan
+    fixes it (``noise_multiplier=``), so its epsilon for the ledger's steps is
+    exact, and counts every step from the first.
+
+    Args:
+      target_epsilon: the new total budget: as many steps as fit in it (whole
+        epochs for a plan of ``epochs``).
+      epochs / steps: the new total, counted from the first step.
+      Exactly one of the three.
+
+    Returns:
+      A new plan (same data set, batch size, sampling, accountant, releases and
+      sampler seed) with more steps than this one.
+
+    Raises:
+      ValueError: not exactly one argument, or no more steps than this plan.
+    """
+    given = {k: v for k, v in (("target_epsilon", target_epsilon), ("epochs", epochs),
+                               ("steps", steps)) if v is not None}
+    if len(given) != 1:
+      raise ValueError("Extend a privacy plan by exactly one of `target_epsilon`, `epochs` "
+                       f"and `steps` (the new totals); got {sorted(given) or 'none'}.")
+    sigma = self.training_noise_multiplier
+    if target_epsilon is not None:
+      fits = self.step_accountant.max_steps(accounting.validate_target_epsilon(target_epsilon))
+      epochs, steps = ((fits // self.steps_per_epoch, None) if self.epochs is not None
+                       else (None, fits))  # whole epochs for a plan of epochs
+    if (steps if steps is not None else epochs * self.steps_per_epoch) > self.num_steps:
+      new = dataclasses.replace(self, noise_multiplier=sigma, target_epsilon=None,
+                                epochs=epochs, steps=steps)
+      if new.num_steps > self.num_steps:
+        return new
+    raise ValueError(
+        f"The extended plan ({given}) would not run more than the {self.num_steps} steps "
+        f"this plan runs (epsilon {self.epsilon():.4g} at noise multiplier {sigma:.6g}): "
+        "give a larger total, counted from the first step.")
+
   # --- training helpers ------------------------------------------------------
   def dataset(self, x, y, start_step: Optional[int] = None, model=None,
-              num_replicas: Optional[int] = None, transform=None):
+              num_replicas: Optional[int] = None, *, augment=None, multiplicity: int = 1,
+              **removed):
     """The sampler's infinite ``tf.data`` stream (see :meth:`fit_kwargs`).
 
     Args:
@@ -422,6 +491,41 @@ class PrivacyPlan:
   @classmethod
   def from_json(cls, text: str) -> "PrivacyPlan":
     return cls(**json.loads(text))
+
+
+def _refuse_removed_arguments(removed: dict) -> None:
+  """``plan.dataset``'s batch-level ``transform=`` is gone (no shim: a 0.x package)."""
+  if "transform" in removed:
+    raise TypeError(
+        "PrivacyPlan.dataset no longer takes `transform=` (a function of the batch stream): "
+        "it could mix rows (MixUp) or duplicate them (a batch followed by an augmented copy), "
+        "so one example could move the sum by a multiple of the sensitivity. Pass a "
+        "per-example augmentation instead: augment=fn with fn(x_i, y_i, seed) -> x_i' (and "
+        "multiplicity=K for K views of each example, averaged in its loss).")
+  if removed:
+    raise TypeError(f"PrivacyPlan.dataset got unexpected argument(s) {sorted(removed)}.")
+
+
+def releases_covered(planned, made) -> bool:
+  """Whether planned releases account for the releases ``made`` (noise multipliers): each
+  release made is matched with a distinct planned one of at most its noise multiplier.
+
+  With both sorted ascending, the ``i``-th smallest made must be at least the ``i``-th
+  smallest planned (the greedy matching is optimal; RDP decreases with the multiplier).
+
+  >>> releases_covered((8.0, 8.0, 8.0, 2.0), (8.0, 8.0, 2.0, 2.0))  # issue 30, scenario 7
+  False
+  >>> releases_covered((2.0, 2.0, 8.0), (8.0, 2.0))
+  True
+  """
+  planned, made = sorted(float(m) for m in planned), sorted(float(m) for m in made)
+  if len(made) > len(planned):
+    return False
+  return all(m >= p * (1 - 1e-6) for p, m in zip(planned, made))
+
+
+def _fmt(values) -> str:
+  return "(" + ", ".join(f"{float(v):.6g}" for v in values) + ")"
 
 
 def _as_ledger(model_or_ledger) -> ledger_lib.PrivacyLedger:

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import guard as guard_lib
@@ -115,31 +118,71 @@ def _is_in_memory(x) -> bool:
     return False
 
 
-_BASE_LEDGER_ATTR = "_tf_dpnsgd_ledger"
+# The ledger make_private continues for a plain Keras model, kept OFF the model (a weak map,
+# not an attribute): Keras' saving walks a model's attributes, and a ledger attribute on the
+# inner model of a wrapper was saved under the inner model's path, which a loaded wrapper
+# never reads (its fresh inner model has no such attribute): the loaded model started at 0.
+_BASE_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _nested_ledgers(model) -> list:
+  """The distinct ledgers already bound to ``model`` or to a model nested in it (a head with
+  released statistics inside a multi-view model; a private model used as a layer)."""
+  found = []
+  for layer in [model] + iter_layers(model):
+    for ledger in (_BASE_LEDGERS.get(layer), layer.__dict__.get("privacy_ledger")):
+      if isinstance(ledger, ledger_lib.PrivacyLedger) and all(ledger is not f for f in found):
+        found.append(ledger)
+  return found
+
+
+def _has_history(ledger) -> bool:
+  state = ledger.state()
+  return bool(state["steps"] or state["releases"] or state["flags"])
 
 
 def _ledger_for(model) -> ledger_lib.PrivacyLedger:
   """The privacy ledger that ``make_private(model)`` continues.
 
-  The one a previous ``make_private`` left on this Keras model (two-phase
-  fine-tuning: the second wrapper continues the first one's ledger); else,
-  if this machine recorded these exact weights at the end of a private
-  ``fit`` (:mod:`tf_dpnsgd.lineage`: e.g. ``base.save`` + ``load_model`` in a
-  new process), a ledger restored to that state; else a new one.
+  The one a previous ``make_private`` or :func:`base_ledger` bound to this Keras
+  model or to a model nested in it (two-phase fine-tuning; a head whose input
+  statistics were released, then put inside a multi-view model); else, if
+  this machine recorded these exact weights with a ledger
+  (:mod:`tf_dpnsgd.lineage`: e.g. ``base.save`` + ``load_model`` in a new
+  process), a ledger restored to that state; else a new one.
+
+  Raises:
+    ValueError: two different ledgers with history are bound to parts of ``model`` (two
+      privately trained or released models combined): one epsilon cannot be reported for
+      the combination by continuing either.
   """
-  existing = model.__dict__.get(_BASE_LEDGER_ATTR)
-  if isinstance(existing, ledger_lib.PrivacyLedger):
+  found = [ledger for ledger in _nested_ledgers(model) if _has_history(ledger)]
+  if len(found) > 1:
+    raise ValueError(
+        f"Model '{model.name}' combines parts with {len(found)} different privacy ledgers "
+        "(each privately trained or with released statistics). Their epsilons compose, but "
+        "make_private continues one ledger: build the combined model from the private "
+        "parts' common base, or account for the parts separately.")
+  if found:
+    return found[0]
+  existing = _BASE_LEDGERS.get(model)
+  if existing is not None:
     return existing
   ledger = ledger_lib.PrivacyLedger()
   weights = model.get_weights() if model.built else []
   state = lineage_lib.lookup_weights(lineage_lib.fingerprint(weights)) if weights else None
   if state:
-    ledger.load_own_variables({k: v for k, v in state.items()})
+    ledger.load_own_variables({k: np.asarray(v) for k, v in state.items()})
     logging.getLogger(__name__).warning(
-        "make_private: model '%s' holds weights trained privately for %d steps on this "
-        "machine; its privacy ledger is restored, so the report counts those steps.",
-        model.name, ledger.steps)
+        "make_private: model '%s' holds weights recorded with a privacy ledger on this "
+        "machine (%d steps, %d releases); the ledger is restored, so the report counts them.",
+        model.name, ledger.steps, ledger.releases)
   return ledger
+
+
+def _bind_ledger(model, ledger) -> None:
+  _BASE_LEDGERS[model] = ledger
+  ledger_lib.bind_weights_owner(ledger, model)
 
 
 def base_ledger(model: keras.Model) -> ledger_lib.PrivacyLedger:
@@ -147,11 +190,71 @@ def base_ledger(model: keras.Model) -> ledger_lib.PrivacyLedger:
 
   For what is spent on ``model``'s training data before it is made private,
   e.g. :func:`tf_dpnsgd.private_stats.release_channel_moments` of its input
-  features: recorded here, it is in every later report of the private model.
+  features: recorded here, it is in every later report of the private model
+  (and of a model built around ``model``, e.g. :func:`tf_dpnsgd.models.views.multi_view`).
   """
   ledger = _ledger_for(model)
-  object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
+  _bind_ledger(model, ledger)
   return ledger
+
+
+def _release_iterators(epoch_iterators) -> None:
+  """Drops the data iterators of Keras' epoch iterators now.
+
+  Keras keeps an epoch's generator and the ``tf.data`` iterator it holds in a
+  reference cycle after ``fit``; freed at interpreter exit, the sampler's
+  generator-backed iterator logs "Error occurred when finalizing
+  GeneratorDataset iterator". ``reset()`` breaks the cycle, so they are freed
+  here, while Python runs.
+  """
+  for iterator in epoch_iterators:
+    reset = getattr(iterator, "reset", None)
+    if callable(reset):
+      reset()
+
+
+def ensure_called(model) -> None:
+  """Calls a built model that was never called (a wrapped model loaded from a ``.keras``
+  file) once on symbolic inputs shaped as its saved ones.
+
+  Keras' export (``model.export``, ``keras.export.ExportArchive``) and
+  ``model.input_shape`` need a subclassed model that has been called. The input
+  spec comes from the model's build shapes, else from the model it wraps (its
+  ``inputs`` or build shapes). The call is symbolic: no data, no state change.
+  """
+  if getattr(model, "_called", True) or not model.built:
+    return
+  spec = _saved_input_spec(model)
+  if spec is not None:  # else Keras' own "never called" error follows
+    model(spec, training=False)
+
+
+def _saved_input_spec(model):
+  """Fresh ``KerasTensor``\ s shaped as the inputs ``model`` (or the model it wraps) was
+  built for; None if neither recorded them."""
+  def from_shape(shape, dtype):
+    if isinstance(shape, dict):
+      return {k: from_shape(v, dtype) for k, v in shape.items()}
+    if isinstance(shape, (list, tuple)) and shape and not all(
+        d is None or isinstance(d, int) for d in shape):
+      return type(shape)(from_shape(v, dtype) for v in shape)
+    return keras.KerasTensor((None,) + tuple(shape)[1:], dtype=dtype)
+
+  for candidate in (model, getattr(model, "model", None)):
+    if not isinstance(candidate, keras.Model):
+      continue
+    shapes = getattr(candidate, "_build_shapes_dict", None) or {}
+    if len(shapes) == 1:
+      return from_shape(next(iter(shapes.values())), candidate.input_dtype)
+    try:
+      inputs = candidate.inputs
+    except (AttributeError, ValueError):
+      continue
+    if inputs:
+      struct = getattr(candidate, "_inputs_struct", None)
+      struct = struct if struct is not None else (inputs[0] if len(inputs) == 1 else inputs)
+      return tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, dtype=t.dtype), struct)
+  return None
 
 
 class LastValue(keras.metrics.Metric):
@@ -217,6 +320,8 @@ class _DPTrainer:
       # Saved with the weights by Keras' saving (an attribute it walks), NOT in
       # self.weights: get_weights/set_weights with a plain twin keep working.
       _attach_ledger(self, ledger_lib.PrivacyLedger())
+    if ledger_lib.weights_owner(self.privacy_ledger) is None:
+      ledger_lib.bind_weights_owner(self.privacy_ledger, self)
     if not hasattr(self, "_dp_guard"):
       object.__setattr__(self, "_dp_guard", guard_lib.GuardState())
 
@@ -266,6 +371,21 @@ class _DPTrainer:
   def public_state(self) -> tuple:
     """Layers whose data-derived state the user declared public (listed by the report)."""
     return self._dp_public_state
+
+  def load_weights(self, filepath, *args, **kwargs):
+    """As ``keras.Model.load_weights``. A file that holds this model's privacy ledger moves it
+    (never below what its lineage executed); a file without one (a plain model's weights)
+    is a warm start: the ledger keeps its history and names the file in ``not_covered``."""
+    if not self.built:
+      raise ValueError(
+          f"Model '{self.name}' is not built yet, so there is nothing to load the weights "
+          "into: call it on a batch first (model(x[:1])) or model.build(input_shape).")
+    ledger = self.privacy_ledger
+    object.__setattr__(ledger, "_loading_source", str(filepath))
+    try:
+      return super().load_weights(filepath, *args, **kwargs)
+    finally:
+      object.__setattr__(ledger, "_loading_source", None)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
@@ -352,8 +472,8 @@ class _DPTrainer:
                     jit_compile=jit_compile, auto_scale_loss=False, **kwargs)
     if loss_scale is not None:  # restored by compile_from_config
       self._compile_config.config["loss_scale"] = self._dp_loss_scale
-    self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example,
-                                                     keep_mib=self._dp_keep_mib)
+    self._dp_engine = None  # chosen from the built layers (a subclassed model: at fit)
+    self._dp_resolve_engine()
     self._dp_guard.probe_pending = True  # probe the next batch
     if self._dp_owned_plan is not None and self._dp_plan is None \
         and self._dp_owned_plan.dataset_size is not None:
@@ -361,6 +481,12 @@ class _DPTrainer:
     self._dp_give_plan_noise()
     if self.optimizer.noise_multiplier is None and self._dp_owned_plan is None:
       self.optimizer._require_noise_multiplier()  # raises: say where sigma comes from
+
+  def _dp_resolve_engine(self):
+    if self._dp_engine is None and self.built:
+      self._dp_engine = per_example_lib.resolve_engine(self, self._dp_per_example,
+                                                       keep_mib=self._dp_keep_mib)
+    return self._dp_engine
 
   @property
   def loss_scale(self) -> float:
@@ -379,6 +505,7 @@ class _DPTrainer:
     """Keras' train function; its first call after ``compile`` probes the batch for
     interacting examples before the step (:mod:`tf_dpnsgd.interaction`)."""
     if self.train_function is None or force:
+      self._dp_resolve_engine()
       if self.built and self.optimizer is not None and not self.optimizer.built:
         # Create the optimizer's variables now, not inside the traced (maybe XLA) step.
         with self.distribute_strategy.scope():
@@ -433,9 +560,10 @@ class _DPTrainer:
   def _record_lineage(self) -> None:
     ledger = self.privacy_ledger
     state = ledger.state()
-    if state["steps"] == 0:
+    if state["steps"] == 0 and state["releases"] == 0:
       return
-    lineage_lib.record_steps(state["lineage"], state["steps"])
+    lineage_lib.record_steps(state["lineage"], state["steps"],
+                             releases=ledger_lib.release_list(state))
     lineage_lib.record_weights(lineage_lib.fingerprint(self.get_weights()), state)
 
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -613,12 +741,27 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
                keep_per_example_mib=None, **kwargs):
     super().__init__(**kwargs)
     self.model = model
+    if model.built:  # no weights of its own: built when the model it wraps is
+      self.built = True
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
                          trust_untagged_batches, public_state, privacy_ledger,
                          privacy_plan, keep_per_example_mib)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
+
+  def load_weights(self, filepath, *args, **kwargs):
+    """As :meth:`DPModel.load_weights`; also takes the weights file of the wrapped model
+    itself (``base.save_weights``: its layout has no wrapper level), as a warm start."""
+    try:
+      return super().load_weights(filepath, *args, **kwargs)
+    except ValueError:
+      if (not self.built or not str(filepath).endswith(".weights.h5")
+          or _file_has_ledger(filepath)):
+        raise
+    self.model.load_weights(filepath, *args, **kwargs)
+    self.privacy_ledger.record_warm_start(str(filepath))
+    return None
 
   def get_config(self):
     config = {"model": keras.saving.serialize_keras_object(self.model), "name": self.name}
@@ -631,6 +774,15 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
     config["model"] = keras.saving.deserialize_keras_object(config["model"],
                                                           custom_objects=custom_objects)
     return cls(**config)
+
+
+def _file_has_ledger(filepath) -> bool:
+  """Whether a ``.weights.h5`` file holds a privacy ledger anywhere."""
+  import h5py  # pylint: disable=g-import-not-at-top
+  found = []
+  with h5py.File(filepath, "r") as f:
+    f.visit(lambda name: found.append(name) if name.endswith("privacy_ledger") else None)
+  return bool(found)
 
 
 def make_private(model: keras.Model, per_example="auto", physical_batch_size=None,
@@ -692,7 +844,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
       accountant=accountant, dataset_size=dataset_size)
   ledger = _ledger_for(model)
-  object.__setattr__(model, _BASE_LEDGER_ATTR, ledger)
+  _bind_ledger(model, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
                  num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
                  public_state=public_state, privacy_ledger=ledger, privacy_plan=owned,
