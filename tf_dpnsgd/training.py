@@ -801,14 +801,21 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       private.fit(x, y, validation_data=(x_val, y_val))   # the plan's Poisson batches
       print(private.privacy_report().statement())
 
-  Functional and Sequential models become a :class:`DPModel` over the same
-  graph; subclassed models are wrapped. Training the result updates the
-  original model's weights too.
+  Model kinds: a functional model (nested or not) becomes a :class:`DPModel`
+  over the same graph; a ``Sequential`` or subclassed model is wrapped in a
+  :class:`PrivateModelWrapper` (``type(private).__name__`` says which). Both
+  keep the privacy ledger through ``save``/``load_model``,
+  ``save_weights``/``load_weights``, ``tf.train.Checkpoint`` and
+  ``BackupAndRestore`` (``tests/test_save_paths_matrix.py``). Training the
+  result updates the original model's weights too.
 
   The privacy ledger stays with ``model``: calling ``make_private`` again on
-  the same Keras model (e.g. fine-tuning the head, then all layers) continues
-  it, and weights that this machine recorded after a private ``fit`` get their
-  ledger back even when reloaded without it (:mod:`tf_dpnsgd.lineage`).
+  the same Keras model (e.g. fine-tuning the head, then all layers), or on a
+  model built around it (a head inside ``views.multi_view``), continues it,
+  including statistics released for it before (:func:`base_ledger`); weights
+  this machine recorded with a ledger get it back even when reloaded without
+  it (:mod:`tf_dpnsgd.lineage`); weights loaded later from a file without a
+  ledger are a warm start the report names (``not_covered``).
 
   Args:
     trust_untagged_batches: accept untagged batches from a user pipeline
