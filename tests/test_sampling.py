@@ -257,7 +257,9 @@ def test_nested_inputs():
   s = sampling.UniformSampler(n, 8, seed=0)
   xb, yb, tags = next(iter(s.dataset(inputs, y)))
   idx = s.indices(0)
-  assert set(tags) == {"dp_kind", "dp_step", "dp_sampler", "dp_seed", "dp_period"}
+  assert set(tags) == {"dp_kind", "dp_step", "dp_sampler", "dp_seed", "dp_period", "dp_example",
+                       "dp_digest"}
+  np.testing.assert_array_equal(tags["dp_example"].numpy(), idx)
   np.testing.assert_array_equal(tags["dp_step"].numpy(), np.zeros(8))
   np.testing.assert_array_equal(xb["b"].numpy(), inputs["b"][idx])
   np.testing.assert_array_equal(yb.numpy(), y[idx])

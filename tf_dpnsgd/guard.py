@@ -12,7 +12,10 @@ which, before Keras' compiled step runs on any batch:
 3. checks, in Python, that each batch continues the ledger
    (:meth:`PrivacyLedger.check_batch`: no replay or skip, the same sampler
    and, for shuffling, the same seed; untagged batches only from in-memory
-   arrays Keras batches itself, or when the user vouched for them);
+   arrays Keras batches itself, or when the user vouched for them), and that
+   its rows are the ones the sampler tagged (:mod:`tf_dpnsgd.rows`: the reader
+   recomputes each row's content digest; no real row changed after the
+   sampler, e.g. by a ``.map`` mixing rows, and none repeats an example);
 4. at the start of every ``fit`` under a multi-worker strategy, checks that
    all workers hold the same ledger step and sampler seed (a collective);
 5. on the first batch after every ``compile``, probes the forward pass:
@@ -44,6 +47,7 @@ from tf_dpnsgd import distribution
 from tf_dpnsgd import forward_checks
 from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import rows as rows_lib
 
 
 
@@ -78,8 +82,19 @@ def _tags_row(tags):
                    tf.reduce_max(sampler), tf.reduce_min(seed), tf.reduce_max(seed), period])
 
 
+def _row_identity(x, y, mask, tags):
+  """``(examples, real, digest_ok)`` per row: the ``dp_example`` tags, the unmasked rows, and
+  whether each row's digest, recomputed now, is the one the sampler tagged."""
+  examples = tf.cast(tags[ledger_lib.DP_EXAMPLE_KEY], tf.int64)
+  real = tf.ones_like(examples, tf.bool) if mask is None else tf.cast(mask, tf.bool)
+  digest_ok = tf.equal(rows_lib.row_digests((x, y), xla=True),
+                       tf.cast(tags[ledger_lib.DP_DIGEST_KEY], tf.int64))
+  return examples, real, digest_ok
+
+
 def make_batch_reader(model):
-  """``fn(data) -> per-replica int64[8]`` tag summary, running the optimizer's step checks.
+  """``fn(data) -> per-replica (int64[8] tag summary, examples, real, digest_ok)``, running
+  the optimizer's step checks (the last three: :func:`_row_identity`, empty if untagged).
 
   Compiled without XLA (its assertions run), or run eagerly when the model
   runs eagerly.
@@ -87,8 +102,8 @@ def make_batch_reader(model):
   strategy = model.distribute_strategy
 
   def replica_fn(data):
-    x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    _, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    mask, denominator, tags = ledger_lib.parse_batch_weights(sample_weight)
     checks = []
     step_checks = getattr(model.optimizer, "step_checks", None)
     if step_checks is not None:  # adaptive clipping: 2 sigma_b > sigma for this batch
@@ -100,8 +115,9 @@ def make_batch_reader(model):
       checks = list(step_checks(denominator, local_denominator=local))
     with tf.control_dependencies(checks):
       if tags is None:
-        return tf.zeros([8], tf.int64)
-      return tf.identity(_tags_row(tags))
+        none = tf.zeros([0], tf.int64)
+        return tf.zeros([8], tf.int64), none, tf.cast(none, tf.bool), tf.cast(none, tf.bool)
+      return (tf.identity(_tags_row(tags)),) + _row_identity(x, y, mask, tags)
 
   def read(data):
     return strategy.run(replica_fn, args=(data,))
@@ -111,15 +127,21 @@ def make_batch_reader(model):
   return tf.function(read, jit_compile=False, reduce_retracing=True)
 
 
-def summarize(reader, strategy, data) -> ledger_lib.BatchSummary:
-  """The host's :class:`~tf_dpnsgd.ledger.BatchSummary` of one (possibly distributed) batch."""
+def summarize(reader, strategy, data) -> tuple:
+  """The host's ``(BatchSummary, RowCheck)`` of one (possibly distributed) batch: its tags
+  (:class:`~tf_dpnsgd.ledger.BatchSummary`) and its rows over all local replicas
+  (:class:`~tf_dpnsgd.rows.RowCheck`)."""
   _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   tagged = isinstance(sample_weight, dict) and ledger_lib.DP_KIND_KEY in sample_weight
-  values = strategy.experimental_local_results(reader(data))
+  summary, examples, real, digest_ok = (
+      [np.asarray(v) for v in strategy.experimental_local_results(part)]
+      for part in reader(data))
   if not tagged:
-    return ledger_lib.BatchSummary(False)
-  return ledger_lib.BatchSummary.merge(
-      ledger_lib.BatchSummary(True, *[int(v) for v in np.asarray(t)]) for t in values)
+    return ledger_lib.BatchSummary(False), rows_lib.RowCheck()
+  merged = ledger_lib.BatchSummary.merge(
+      ledger_lib.BatchSummary(True, *[int(v) for v in t]) for t in summary)
+  return merged, rows_lib.count_problems(np.concatenate(examples), np.concatenate(real),
+                                         np.concatenate(digest_ok))
 
 
 def _check_workers(strategy, ledger, summary) -> None:
@@ -197,6 +219,8 @@ def wrap(model, main):
     allowed, hint, vouched = state.untagged_allowed(model)
     for offset, summary in enumerate(summaries):
       ledger.check_batch(summary, offset, untagged_allowed=allowed, untagged_hint=hint)
+    for offset, row_check in enumerate(row_checks):
+      rows_lib.check_rows(row_check, offset)
     if state.probe_pending:
       tested, interacting = probe(batches[0])
       if any(bool(t) for t in strategy.experimental_local_results(interacting)):

@@ -66,8 +66,9 @@ per-row tensors (per row so that ``tf.distribute`` can split them):
 ``dp_kind`` (:data:`KIND_CODES`), ``dp_step`` (the sampler's step ``t``),
 ``dp_sampler`` (:func:`sampler_fingerprint`), ``dp_seed``
 (:func:`seed_hash` of the sampler seed), ``dp_period`` (steps per epoch of
-a shuffle sampler, 0 otherwise); Poisson only (and padded batches):
-``dp_mask`` and ``dp_denominator``.
+a shuffle sampler, 0 otherwise), ``dp_example`` (the row's example index) and
+``dp_digest`` (its content digest, :mod:`tf_dpnsgd.rows`); Poisson only (and
+padded batches): ``dp_mask`` and ``dp_denominator``.
 
 Formal guarantee of the host checks (:meth:`PrivacyLedger.check_batch`): a
 step runs only if
@@ -111,7 +112,10 @@ DP_STEP_KEY = "dp_step"
 DP_SAMPLER_KEY = "dp_sampler"
 DP_SEED_KEY = "dp_seed"
 DP_PERIOD_KEY = "dp_period"
-TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY)
+DP_EXAMPLE_KEY = "dp_example"
+DP_DIGEST_KEY = "dp_digest"  # row identity, checked by the guard (tf_dpnsgd.rows)
+TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY,
+            DP_EXAMPLE_KEY, DP_DIGEST_KEY)
 BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
@@ -679,7 +683,7 @@ def parse_batch_weights(sample_weight):
 
 
 __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
-           "DP_PERIOD_KEY",
+           "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_PERIOD_KEY",
            "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
            "sampler_fingerprint", "seed_hash"]

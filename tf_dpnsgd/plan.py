@@ -383,11 +383,28 @@ class PrivacyPlan:
       num_replicas: replicas the global batch is split over (default: those of
         ``model``'s strategy, else 1); the batch is padded with masked rows to
         a multiple of it (see :mod:`tf_dpnsgd.distribution`).
-      transform: optional ``fn(dataset, replica_id) -> dataset`` applied to
-        each pipeline's stream of ``(x, y, tags)`` batches (e.g. augmentation):
-        to the global stream with ``replica_id=None``, or to each replica's
-        shard with its id. It must keep the rows and the tags (the train step
-        checks them).
+      augment: optional per-example augmentation ``fn(x_i, y_i, seed) -> x_i'``:
+        one example's inputs and label (one row of each leaf) and a stateless
+        seed (int64 ``[2]``, fresh for each example, step and view) in, that
+        example's new inputs out. The sampler applies it to each row alone
+        before batching and tagging (:mod:`tf_dpnsgd.augmentation`), in every
+        replica's pipeline, padding rows included (masked: they contribute
+        zero). ``fn`` must read only its arguments and public constants.
+      multiplicity: ``K`` views of each example (``fn`` with ``K`` seeds),
+        stacked on a new axis 1 of every ``x`` leaf (``[B, K, ...]``); the
+        model must then average over the views INSIDE each example's loss, so
+        that the views share one clipped/normalized contribution: e.g.
+        ``make_private(views.multi_view(head, K))`` compiled with
+        ``loss=views.view_mean_loss()`` (:mod:`tf_dpnsgd.models.views`;
+        evaluate ``head`` on plain inputs). Needs ``augment``.
+
+    Augmentation goes through ``augment`` only. The batches carry each row's
+    example index and content digest (:mod:`tf_dpnsgd.rows`); a ``.map``,
+    ``.concatenate`` or ``flat_map`` on the returned stream that changes a
+    row (MixUp across rows, a dtype cast) or repeats an example or a batch
+    is refused before the step (:class:`~tf_dpnsgd.ledger.LedgerMismatchError`):
+    a batch-level transformation can make one example reach several rows and
+    multiply its sensitivity.
 
     Returns:
       A ``tf.data.Dataset`` of global batches; under ``model``'s single-worker
@@ -399,7 +416,10 @@ class PrivacyPlan:
     Raises:
       ValueError: under a multi-worker strategy, when this plan's sampler seed
         is not worker 0's (the workers would draw different batches).
+      TypeError: ``transform=`` (the removed batch-level hook) or another
+        unknown argument.
     """
+    _refuse_removed_arguments(removed)
     strategy = None if model is None else model.distribute_strategy
     if num_replicas is None:
       num_replicas = 1 if strategy is None else distribution.num_replicas(strategy)
@@ -417,14 +437,9 @@ class PrivacyPlan:
         return ledger.steps
 
     def stream(replica):
-      data = self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas,
-                                  replica_id=replica)
-      if transform is None:
-        return data
-      data = transform(data, replica)
-      if not isinstance(data, tf.data.Dataset):
-        raise TypeError(f"`transform` must return a tf.data.Dataset; got {type(data)!r}.")
-      return data
+      return self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas,
+                                  replica_id=replica, augment=augment,
+                                  multiplicity=multiplicity)
 
     if (strategy is not None and num_replicas > 1
         and num_replicas == distribution.num_replicas(strategy)

@@ -16,7 +16,7 @@ owns its plan            ``model.fit(x, y, validation_data=..., callbacks=...)``
                          the plan's batches and sets the step counts itself
 trains under ``plan``    ``model.fit(plan.dataset(x, y, model=model),
 (the explicit path)      callbacks=plan.callbacks(...), **plan.fit_kwargs(model))``:
-                         for a ``tf.distribute`` strategy or a transformed batch stream
+                         for a ``tf.distribute`` strategy or a per-example augmentation
 has no plan              ``sampler``'s batches (an audit without noise: no claim), or
                          Keras' shuffled batches of ``batch_size`` (non-private SGD)
 =======================  ==============================================================
@@ -178,10 +178,10 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
     privacy_log_dir, privacy_state_path: the plan callback's ``log_dir`` and
       ``state_path`` (:class:`~tf_dpnsgd.callbacks.PrivacyCallback`).
     validation_data, verbose: as ``fit``.
-    augment_fn: ``fn(dataset, replica_id) -> dataset``, a transformation of the batch
-      stream (explicit path only): of each replica's pipeline under a one-process
-      strategy, else of the global stream (``replica_id=None``); see
-      :meth:`tf_dpnsgd.plan.PrivacyPlan.dataset`.
+    augment_fn: a per-example augmentation ``fn(x_i, y_i, seed) -> x_i'`` (explicit
+      path only): the sampler applies it to each row alone (``plan.dataset(...,
+      augment=augment_fn)``, :mod:`tf_dpnsgd.augmentation`); without a plan or a
+      sampler, to each example before Keras-style batching.
     progress_bar: add a :class:`StepProgbar` (for ``verbose``).
 
   Returns:
@@ -197,8 +197,8 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
   began = time.perf_counter()
   if owned:
     if augment_fn is not None:
-      raise ValueError("`augment_fn` transforms the batch stream: use a plan the model does "
-                       "not own (plan.dataset), not the one-call path.")
+      raise ValueError("`augment_fn` is given to the sampler's stream: use a plan the model "
+                       "does not own (plan.dataset(..., augment=...)), not the one-call path.")
     if start < total_steps:  # the model draws its plan's batches (tf_dpnsgd.owned_plan)
       model.fit(x, y, validation_data=validation_data, callbacks=everything, verbose=verbose)
   else:
@@ -221,16 +221,19 @@ def _stream(model, x, y, plan, sampler, batch_size, shuffle_seed, start, total_s
             augment_fn):
   """``(dataset, fit_kwargs)`` of the explicit path, or of a run without a plan."""
   if plan is not None:
-    return plan.dataset(x, y, model=model, transform=augment_fn), plan.fit_kwargs(model)
+    return plan.dataset(x, y, model=model, augment=augment_fn), plan.fit_kwargs(model)
   if sampler is not None:
-    data, spe = sampler.dataset(x, y, start_step=start), sampler.steps_per_epoch
+    data = sampler.dataset(x, y, start_step=start, augment=augment_fn)
+    spe = sampler.steps_per_epoch
   else:
     n = len(y)
     spe = max(1, n // batch_size)
-    data = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=shuffle_seed)
-            .repeat().batch(batch_size, drop_remainder=True))
-  if augment_fn is not None:
-    data = augment_fn(data, None)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=shuffle_seed).repeat()
+    if augment_fn is not None:  # one example at a time, a stateless seed each
+      seeds = tf.data.Dataset.random(seed=shuffle_seed, rerandomize_each_iteration=True)
+      data = tf.data.Dataset.zip((data, seeds.batch(2))).map(
+          lambda xy, seed: (augment_fn(xy[0], xy[1], seed), xy[1]))
+    data = data.batch(batch_size, drop_remainder=True)
   return data, {"epochs": max(1, math.ceil(total_steps / spe)), "steps_per_epoch": spe,
                 "initial_epoch": start // spe}
 

@@ -25,7 +25,11 @@ Every batch is tagged with its sampler's kind, its step index ``t`` and the
 sampler's public fingerprint (:mod:`tf_dpnsgd.ledger`); the DP train step
 refuses a batch that would not continue the model's privacy ledger (a
 replayed or skipped step, another sampling), so the accounted steps are the
-executed ones.
+executed ones. Every row is tagged with its example index and a digest of
+its contents (:mod:`tf_dpnsgd.rows`): rows changed or repeated after the
+sampler are refused too. Augmentation runs inside the sampler, one example
+at a time (``dataset(..., augment=fn, multiplicity=K)``,
+:mod:`tf_dpnsgd.augmentation`).
 
 Determinism and resumption: the batch of step ``t`` is a pure function of
 ``(seed, t)`` (a NumPy ``Generator`` seeded with ``[seed, tag, t]``, or
@@ -66,9 +70,11 @@ import tensorflow as tf
 from scipy import stats
 
 from tf_dpnsgd import accounting
+from tf_dpnsgd import augmentation as augmentation_lib
 from tf_dpnsgd import distribution
 from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import rows as rows_lib
 from tf_dpnsgd.ledger import DP_DENOMINATOR_KEY, DP_MASK_KEY
 
 # Domain tags keep the samplers' streams apart from each other for one seed.
@@ -258,6 +264,8 @@ class Sampler:
       xb = tf.nest.map_structure(lambda a: _take_rows(a, idx), x)
       yb = tf.nest.map_structure(lambda a: _take_rows(a, idx), y)
       tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
+      tags[ledger_lib.DP_EXAMPLE_KEY] = idx.astype(np.int64)
+      tags[ledger_lib.DP_DIGEST_KEY] = rows_lib.row_digests((xb, yb)).numpy()
       if mask is not None:
         # Keras' generator adapter needs rank >= 1; the train step reads element 0.
         tags[DP_MASK_KEY] = mask
@@ -265,8 +273,8 @@ class Sampler:
       yield xb, yb, tags
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
-              prefetch: int = 2, num_replicas: int = 1,
-              replica_id: Optional[int] = None) -> tf.data.Dataset:
+              prefetch: int = 2, num_replicas: int = 1, replica_id: Optional[int] = None,
+              augment=None, multiplicity: int = 1) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of the batches from step ``start_step`` on (see :meth:`numpy_batches`).
 
     Every element has a static shape (``max_batch_size`` rows for Poisson),
@@ -291,7 +299,12 @@ class Sampler:
     ``start_step`` may be a callable returning the step, read each time an
     iterator starts (a plan passes the model's ledger step: a ``fit`` after
     a restore, e.g. ``BackupAndRestore``, continues where the ledger is).
+
+    ``augment``: ``fn(x_i, y_i, seed) -> x_i'``, applied to each row alone before
+    the rows are batched and tagged; ``multiplicity=K``: ``K`` views of each
+    example on a new axis 1 (see :mod:`tf_dpnsgd.augmentation`).
     """
+    aug = augmentation_lib.make(augment, multiplicity)
     self._check_data(x, y)
     first_step = start_step if callable(start_step) else (lambda: start_step)
     self._step_range(first_step(), num_steps)  # validates now rather than inside tf.data
@@ -342,20 +355,29 @@ class Sampler:
     period = self.tag_period
 
     def gather(step, idx, mask):
-      xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
-      yb = tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t)
+      return (step, idx, mask, tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t),
+              tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t))
+
+    def tag(step, idx, mask, xb, yb):
       tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
               ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
               ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64)),
               ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64)),
-              ledger_lib.DP_PERIOD_KEY: tf.fill([rows], tf.constant(period, tf.int64))}
+              ledger_lib.DP_PERIOD_KEY: tf.fill([rows], tf.constant(period, tf.int64)),
+              ledger_lib.DP_EXAMPLE_KEY: idx,  # what left the sampler (rows_lib)
+              ledger_lib.DP_DIGEST_KEY: rows_lib.row_digests((xb, yb), xla=True)}
       if with_mask:
         tags[DP_MASK_KEY] = mask
         # Per row (all equal), so that tf.distribute can split it with the batch.
         tags[DP_DENOMINATOR_KEY] = tf.fill([rows], tf.constant(denominator, tf.float32))
       return xb, yb, tags
 
-    return indices.map(gather, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
+    if aug is None:
+      batches = indices.map(gather, num_parallel_calls=1, deterministic=True)
+    else:
+      batches = augmentation_lib.per_example_batches(
+          indices, x_t, y_t, rows, aug, augmentation_lib.augmentation_key(self.seed))
+    return batches.map(tag, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
 
   @property
   def _rows_per_element(self) -> int:
@@ -390,7 +412,8 @@ class Sampler:
     return self.steps_per_epoch if self.sampling == "shuffle" else 0
 
   def tags(self, step: int, rows: int) -> dict:
-    """The per-row tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`)."""
+    """The per-row step tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`; the row
+    identity tags, ``dp_example`` and ``dp_digest``, depend on the rows)."""
     return {ledger_lib.DP_KIND_KEY: np.full([rows], ledger_lib.KIND_CODES[self.sampling],
                                             np.int32),
             ledger_lib.DP_STEP_KEY: np.full([rows], step, np.int64),

@@ -109,12 +109,17 @@ def planned_dataset_size(flag_values) -> int:
   return min(n, flag_values.max_train_examples or n)
 
 
-def pixels_to_float(dataset, replica_id=None):  # pylint: disable=unused-argument
-  """Casts the inputs of a ``(x, y, ...)`` stream to float32 (uint8 pixels, float16
-  features); ``replica_id``: see :meth:`tf_dpnsgd.plan.PrivacyPlan.dataset`."""
-  def cast(x, y, *rest):
-    return (tf.cast(x, tf.float32), y) + tuple(rest)
-  return dataset.map(cast)
+def pixels_to_float(x, y, seed=None):  # pylint: disable=unused-argument
+  """One example's inputs as float32 (uint8 pixels, float16 features: exact); a per-example
+  augmentation (``augment=``, :mod:`tf_dpnsgd.augmentation`) that uses no randomness."""
+  return tf.cast(x, tf.float32)
+
+
+def crop_flip_to_float(x, y, seed):
+  """One image as float32, zero-padded by 4 pixels, randomly cropped back and flipped
+  (:func:`tf_dpnsgd.data.cifar10.random_crop_flip`, stateless: the sampler's seed for this
+  example, step and view)."""
+  return cifar_lib.random_crop_flip(pixels_to_float(x, y), seed)
 
 
 def extract_features(extractor, images, batch_size: int = 250, log_every: int = 10000,
@@ -245,12 +250,8 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
   def build_model():
     return cifar_lib.with_normalization(models.resnet20(groups=FLAGS.groups), name="resnet20_gn")
 
-  def augment_fn(dataset, replica_id):
-    dataset = pixels_to_float(dataset)
-    if FLAGS.augment:  # seed None: random; else one stream per replica's pipeline
-      seed = None if cfg.seed is None else cfg.seed + 7919 * (replica_id or 0)
-      dataset = cifar_lib.augment_dataset(dataset, seed=seed)
-    return dataset
+  # Per example, inside the sampler (seeds from the sampler's: fresh each step and example).
+  augment_fn = crop_flip_to_float if FLAGS.augment else pixels_to_float
 
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=None, std=None)

@@ -466,7 +466,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   A private run on the default strategy takes the one-call path: the model owns
   its plan (``make_private(model, plan=plan)``) and trains with a plain
   ``fit(x, y, validation_data=test)``. A ``tf.distribute`` strategy, a
-  transformed batch stream (``augment_fn``) or ``--max_steps`` takes the explicit
+  per-example augmentation (``augment_fn``) or ``--max_steps`` takes the explicit
   one (``plan.dataset``, ``plan.callbacks``, ``plan.fit_kwargs`` cut to the steps
   that run). Both run in :mod:`tf_dpnsgd.runner`.
 
@@ -476,7 +476,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     train, test: ``(x, y)`` with ``x`` an array or a dict of arrays.
     loss: a Keras loss (per-example losses are derived from it).
     export_fn: ``export_fn(model, export_dir)`` writes the serving SavedModel.
-    augment_fn: optional ``fn(dataset, replica_id)``: ``plan.dataset``'s ``transform``.
+    augment_fn: optional ``fn(x_i, y_i, seed) -> x_i'``: ``plan.dataset``'s ``augment``.
     extra_report: fields added to the privacy report (e.g. the preset).
     print_fn: called with ``(epoch, logs)`` at each epoch end.
     after_training: ``(model, plan, final_metrics) -> dict`` of fields added to the report
