@@ -383,3 +383,14 @@ def test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back(tmp_path):
                check=False)
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "would overwrite" in out.stderr and report(tmp_path / "dp")["private"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["quickstart", "mnist", "cifar10", "sst2"])
+def test_help_lists_the_flags_a_run_needs(launcher):
+  """`--help` (not only `--helpfull`) shows the shared flags: a new user reads it first."""
+  out = subprocess.run([sys.executable, "-m", f"tf_dpnsgd.launch.{launcher}", "--help"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+  for flag in ("--target_epsilon", "--epochs", "--batch_size", "--optimizer",
+               "--learning_rate", "--model_dir", "--export_dir"):
+    assert flag in out.stdout, f"{launcher} --help lacks {flag}"

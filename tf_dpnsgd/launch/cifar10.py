@@ -97,6 +97,9 @@ flags.DEFINE_integer("max_train_examples", None, "Use only the first N training 
 flags.DEFINE_integer("max_test_examples", None, "Evaluate on the first N test images (debug).")
 
 
+# `--help` lists the shared flags a run needs (target_epsilon, epochs, ...), not only ours.
+flags.adopt_module_key_flags(common)
+
 def planned_dataset_size(flag_values) -> int:
   """Training-set size for these flags (used by the sweep's --dry_run)."""
   n = 50000

@@ -50,6 +50,10 @@ flags.DEFINE_integer("width", 128, "Hidden units of the MLP / dense layer of the
 canary_audit.define_flags()
 
 
+# `--help` lists the shared flags a run needs (target_epsilon, epochs, ...), not only ours.
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(canary_audit)
+
 def load_mnist(data_path=None, max_train_examples=None, max_test_examples=None):
   """``((x_train, y_train), (x_test, y_test))``: float32 ``[n, 28, 28, 1]`` in [0, 1], int32 labels.
 

@@ -45,6 +45,10 @@ flags.DEFINE_float("test_fraction", 0.2, "Held-out fraction of the digits.")
 canary_audit.define_flags()
 
 
+# `--help` lists the shared flags a run needs (target_epsilon, epochs, ...), not only ours.
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(canary_audit)
+
 def digits_mlp(input_shape=(8, 8, 1), num_classes=10, width=32):
   """A small tanh MLP: few parameters keep the noise norm (sigma * sqrt(d) / B) low."""
   inputs = keras.Input(input_shape, name="image")

@@ -45,6 +45,10 @@ flags.DEFINE_integer("max_train_examples", None, "Use only the first N training 
 canary_audit.define_flags()
 
 
+# `--help` lists the shared flags a run needs (target_epsilon, epochs, ...), not only ours.
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(canary_audit)
+
 def planned_dataset_size(flag_values) -> int:
   """Training-set size for these flags (used by the sweep's --dry_run)."""
   n = 67349  # GLUE SST-2 train
