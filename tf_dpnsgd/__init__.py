@@ -24,6 +24,7 @@ from tf_dpnsgd import sampling
 from tf_dpnsgd import schedules
 from tf_dpnsgd import transforms
 from tf_dpnsgd.interaction import ExampleInteractionError
+from tf_dpnsgd.layer_fixes import fix_layers
 from tf_dpnsgd.ledger import LedgerMismatchError, PrivacyLedger, ledger_of
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.optimizers import (DPAdam, DPNAdam, DPNSGD, DPSGD,
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DPAdam", "DPNAdam", "DPNSGD", "DPSGD", "PrivateOptimizer",
     "make_private_optimizer", "DPModel", "PrivateModelWrapper",
-    "make_private", "validate_layers", "PrivacyPlan", "PrivacyLedger", "LedgerMismatchError",
+    "make_private", "validate_layers", "fix_layers", "PrivacyPlan", "PrivacyLedger", "LedgerMismatchError",
     "ExampleInteractionError",
     "ledger", "ledger_of", "accounting", "callbacks", "sampling", "data", "export", "models", "noise", "schedules", "transforms", "__version__",
 ]

@@ -71,8 +71,10 @@ def validate_layers(model) -> None:
       raise ValueError(
           f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples within a batch "
           "(batch statistics), which breaks per-example differential privacy. Replace it "
-          "with keras.layers.GroupNormalization (e.g. groups=16) or LayerNormalization; "
-          "tf_dpnsgd.models.resnet20() is a ResNet20 with GroupNorm.")
+          "with keras.layers.GroupNormalization (e.g. groups=16) or LayerNormalization: "
+          "tf_dpnsgd.fix_layers(model) returns a copy with every BatchNormalization "
+          "replaced and lists the changes; tf_dpnsgd.models.resnet20() is a ResNet20 "
+          "with GroupNorm.")
     if getattr(layer, "activity_regularizer", None) is not None:
       raise ValueError(
           f"Layer '{layer.name}' has an activity_regularizer: its data-dependent loss "
