@@ -160,3 +160,52 @@ def test_callback_arguments():
     PrivacyCallback(plan, epsilon_budget=-1.0)
   with pytest.raises(ValueError, match="update_freq"):
     PrivacyCallback(plan, update_freq="step")
+
+
+# --- issue 31: the progress bar shows what a user reads -----------------------------
+def _bar_lines(text):
+  import re
+  text = re.sub(r"\x1b\[[0-9;]*m", "", text).replace("\b", "\r")
+  return [part.strip() for line in text.split("\n") for part in line.split("\r")
+          if part.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,clip_shown", [
+    (lambda: tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0), False),
+    (lambda: tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                             target_unclipped_quantile=0.5, clipped_count_stddev=1.0), True),
+    (lambda: tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01), False)])
+def test_progress_bar_shows_loss_metrics_epsilon_and_history_keeps_diagnostics(
+    capsys, optimizer, clip_shown):
+  x, y = toy_data()
+  inp = keras.Input((3,))
+  model = tf_dpnsgd.make_private(keras.Model(inp, keras.layers.Dense(2)(inp)),
+                                 noise_multiplier=1.0, delta=1e-5, batch_size=B, epochs=1.5)
+  model.compile(optimizer=optimizer(), metrics=["accuracy"],
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  capsys.readouterr()
+  history = model.fit(x, y, verbose=1)
+  lines = _bar_lines(capsys.readouterr().out)
+  bars = [line for line in lines if " - loss: " in line]
+  assert bars and all("epsilon: " in line and "accuracy: " in line for line in bars)
+  for hidden in ("grad_norm", "nonfinite_examples", "steps:"):
+    assert not any(hidden in line for line in bars), (hidden, bars[-1])
+  clipping = isinstance(model.optimizer.transform, tf_dpnsgd.transforms.Clip)
+  assert any("clipped_fraction" in line for line in bars) == clipping
+  assert any("l2_norm_clip" in line for line in bars) == clip_shown
+  assert max(len(line) for line in bars) < 140, bars[-1]
+  # 1.5 epochs of 8 steps: a full epoch, then a partial one, labelled, counting its 4 steps.
+  assert [line for line in lines if line.startswith("Epoch")] == [
+      "Epoch 1/2", "Epoch 2/2 (partial: 4 of 8 steps)"]
+  assert bars[-1].startswith("4/4 ")
+  assert {"grad_norm", "nonfinite_examples", "epsilon", "loss"} <= set(history.history)
+  assert len(history.history["epsilon"]) == 2 and model.privacy_ledger.steps == 12
+
+
+def test_shown_drops_diagnostics_but_not_nonfinite_examples_that_happened():
+  from tf_dpnsgd.callbacks import shown
+  logs = {"loss": 1.0, "grad_norm": 2.0, "nonfinite_examples": 0.0, "steps": 10.0,
+          "l2_norm_clip": 1.0, "clipped_fraction": 0.5, "epsilon": 0.3}
+  assert shown(logs) == {"loss": 1.0, "clipped_fraction": 0.5, "epsilon": 0.3}
+  assert shown({**logs, "nonfinite_examples": 2.0})["nonfinite_examples"] == 2.0

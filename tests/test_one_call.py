@@ -198,3 +198,102 @@ def test_cifar_shaped_images_dicts_and_a_keras_file_round_trip(tmp_path):
   dm.fit({"a": rng.normal(size=(40, 4)).astype("float32"),
           "b": rng.normal(size=(40, 2)).astype("float32")}, y, verbose=0)
   assert dm.privacy_ledger.steps == 3
+
+
+# --- issue 31: epochs are Keras epochs; extending a plan; sigma from the plan ---------
+@pytest.mark.slow
+def test_plan_epochs_are_keras_epochs_when_n_over_b_is_not_whole():
+  """N/B = 69/10: 3 epochs are 3 Keras epochs of round(6.9) = 7 steps (not 4 epochs, the
+  last of 2 steps), one history entry each, and the epsilon is that of the 21 steps run."""
+  x, y = data(69)
+  m = compile_(private(epochs=3))
+  history = m.fit(x, y, verbose=0)
+  assert m.privacy_plan.steps_per_epoch == 7 and m.privacy_plan.num_steps == 21
+  assert history.epoch == [0, 1, 2] and len(history.history["epsilon"]) == 3
+  assert m.privacy_ledger.steps == 21
+  assert m.privacy_report().steps == 21
+  assert history.history["epsilon"][-1] == pytest.approx(m.privacy_plan.epsilon(21))
+
+
+def _oracle_epsilon(q, sigma, steps, delta):
+  """dp-accounting's RDP epsilon of `steps` Poisson-subsampled Gaussian steps, built here."""
+  import dp_accounting
+  from tf_dpnsgd import accounting
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+  rdp = dp_accounting.rdp.RdpAccountant(orders=accounting.DEFAULT_ORDERS)
+  rdp.compose(event)
+  return rdp.get_epsilon(delta)
+
+
+@pytest.mark.slow
+def test_extend_privacy_plan_after_the_budget_then_save_and_load(tmp_path):
+  x, y = data()
+  m = compile_(private(epochs=1))
+  m.fit(x, y, verbose=0)
+  sigma = m.privacy_plan.training_noise_multiplier
+  with pytest.raises(PrivacyBudgetExceededError, match=r"extend_privacy_plan"):
+    m.fit(x, y, verbose=0)
+  with pytest.raises(ValueError, match=r"extend_privacy_plan\(epochs="):
+    m.fit(x, y, epochs=2, verbose=0)
+  plan = m.extend_privacy_plan(epochs=2)  # the new total, counted from the first step
+  assert plan is m.privacy_plan and plan.num_steps == 12
+  assert plan.training_noise_multiplier == sigma  # the steps taken used it: exact report
+  history = m.fit(x, y, verbose=0)
+  assert history.epoch == [1] and m.privacy_ledger.steps == 12
+  report = m.privacy_report()
+  assert report.steps == 12
+  assert report.epsilon == pytest.approx(_oracle_epsilon(B / N, sigma, 12, 1e-5), rel=1e-9)
+
+  path = str(tmp_path / "m.keras")
+  m.save(path)
+  loaded = keras.models.load_model(path)
+  with pytest.raises(PrivacyBudgetExceededError, match="extend_privacy_plan"):
+    loaded.fit(x, y, verbose=0)
+  target = _oracle_epsilon(B / N, sigma, 24, 1e-5) * 1.0001  # room for 4 epochs, not 5
+  loaded.extend_privacy_plan(target_epsilon=target)
+  assert loaded.privacy_plan.num_steps == 24  # whole epochs within the target
+  loaded.fit(x, y, verbose=0)
+  report = loaded.privacy_report()
+  assert report.steps == loaded.privacy_ledger.steps == 24
+  assert report.epsilon == pytest.approx(_oracle_epsilon(B / N, sigma, 24, 1e-5), rel=1e-9)
+  assert report.epsilon <= target
+  again = keras.models.load_model(_saved(loaded, tmp_path / "again.keras"))
+  assert again.privacy_plan.num_steps == 24 and again.privacy_report().steps == 24
+
+
+def _saved(model, path):
+  model.save(str(path))
+  return str(path)
+
+
+def test_extend_privacy_plan_refuses_what_it_cannot_do():
+  m = compile_(private())
+  with pytest.raises(ValueError, match="not run a step"):
+    m.extend_privacy_plan(epochs=3)  # N unknown until the first fit
+  plan = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=B, sampling="poisson", epochs=2,
+                               target_epsilon=3.0, delta=1e-5)
+  with pytest.raises(ValueError, match="exactly one of"):
+    plan.extended(epochs=3, target_epsilon=4.0)
+  with pytest.raises(ValueError, match="not run more than"):
+    plan.extended(epochs=2)
+  with pytest.raises(ValueError, match="not run more than"):
+    plan.extended(target_epsilon=2.0)
+  with pytest.raises(ValueError, match="plan.extended"):
+    tf_dpnsgd.make_private(mlp()).extend_privacy_plan(epochs=3)
+
+
+@pytest.mark.slow
+def test_any_optimizer_takes_the_plans_noise_multiplier():
+  x, y = data()
+  m = private(epochs=1)
+  m.compile(optimizer=tf_dpnsgd.make_private_optimizer(keras.optimizers.Adam(1e-2),
+                                                       l2_norm_clip=1.0),
+            loss=LOSS)
+  m.fit(x, y, verbose=0)
+  assert m.optimizer.noise_multiplier == pytest.approx(m.privacy_plan.training_noise_multiplier)
+  assert m.privacy_report().steps == 6
+  no_plan = tf_dpnsgd.make_private(mlp())
+  with pytest.raises(ValueError, match="no noise_multiplier"):
+    no_plan.compile(optimizer=tf_dpnsgd.make_private_optimizer(keras.optimizers.Adam(1e-2),
+                                                               l2_norm_clip=1.0), loss=LOSS)

@@ -119,3 +119,38 @@ def test_plan_is_frozen():
   plan = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
   with pytest.raises(dataclasses.FrozenInstanceError):
     plan.noise_multiplier = 2.0
+
+
+def test_epochs_are_whole_keras_epochs_when_n_over_b_is_not_whole():
+  """Issue 31: N/B = 6.9 used to give fit_kwargs of 23 epochs of 6 steps for epochs=20
+  (138 steps); an epoch is now round(N/B) = 7 steps, 20 epochs are 140 steps, and the
+  epsilon is that of exactly those steps."""
+  fields = dict(dataset_size=69, batch_size=10, delta=1e-5, noise_multiplier=1.0, seed=0)
+  plan = PrivacyPlan(sampling="poisson", epochs=20, **fields)
+  assert plan.steps_per_epoch == 7 and plan.num_steps == 140
+  assert plan.fit_kwargs() == {"epochs": 20, "steps_per_epoch": 7, "initial_epoch": 0}
+  assert plan.epsilon() == pytest.approx(accounting.compute_epsilon(
+      69, 10, 1.0, 1e-5, "poisson", steps=140).epsilon)
+  shuffled = PrivacyPlan(sampling="shuffle", epochs=20, **fields)  # a permutation's batches
+  assert shuffled.steps_per_epoch == 6 and shuffled.num_steps == 120
+  assert shuffled.fit_kwargs()["epochs"] == 20 and shuffled.spec.compositions(120) == 20
+  partial = PrivacyPlan(sampling="poisson", epochs=2.5, **fields)
+  assert partial.num_steps == 17 and partial.fit_kwargs()["epochs"] == 3  # last one partial
+  assert PrivacyPlan(sampling="poisson", epochs=1, **{**fields, "dataset_size": 74}
+                     ).steps_per_epoch == 7  # 7.4 rounds down
+  assert PrivacyPlan(sampling="poisson", epochs=1, **{**fields, "dataset_size": 75}
+                     ).steps_per_epoch == 8  # 7.5 rounds up
+
+
+def test_extended_keeps_sigma_and_counts_from_the_first_step():
+  plan = PrivacyPlan(sampling="poisson", epochs=2, target_epsilon=2.0, **BASE)
+  sigma = plan.training_noise_multiplier
+  longer = plan.extended(epochs=3)
+  assert longer.training_noise_multiplier == sigma and longer.num_steps == 300
+  assert longer.seed == plan.seed and longer.epsilon(plan.num_steps) == plan.epsilon()
+  budget = plan.extended(target_epsilon=3.0)
+  assert budget.training_noise_multiplier == sigma
+  assert budget.num_steps % plan.steps_per_epoch == 0  # whole epochs
+  assert budget.epsilon() <= 3.0 < budget.epsilon(budget.num_steps + plan.steps_per_epoch)
+  by_steps = PrivacyPlan(sampling="poisson", steps=10, noise_multiplier=1.0, **BASE)
+  assert by_steps.extended(target_epsilon=by_steps.epsilon(37)).num_steps == 37

@@ -26,6 +26,10 @@ Logged keys: ``epsilon`` (batch and epoch logs, hence the progress bar and
 ``log_dir/privacy`` (written with ``tf.summary.write`` and the scalar
 plugin's metadata, so it works without the ``tensorboard`` package, which
 ``tf.summary.scalar`` and Keras' TensorBoard callback need).
+
+A budget stop names the one way to go on: ``model.extend_privacy_plan(...)``
+(:data:`EXTEND_ADVICE`). :class:`ProgressBar` is the progress bar of a DP
+model's ``fit``: the loss, metrics and epsilon, not the diagnostics.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 from typing import Optional
 
 import keras
+from keras.src.utils import io_utils  # Keras' own printer (interactive or absl logging)
 import tensorflow as tf
 
 from tf_dpnsgd import ledger as ledger_lib
@@ -47,6 +52,19 @@ EPSILON_KEY = "epsilon"
 # by name, so that this module need not import the plan module (which imports this one).
 PLAN_ATTRIBUTES = ("accountant", "sampling", "delta", "report", "check_ledger",
                    "check_optimizer", "step_accountant", "public_dict")
+
+
+# How to go on once a plan's steps have run (named by the errors that refuse more steps).
+EXTEND_ADVICE = ("To train on (the epsilon grows), extend the plan: "
+                 "model.extend_privacy_plan(target_epsilon=...) or (epochs=...), the new total "
+                 "counted from the first step, then fit again; on the explicit path "
+                 "plan = plan.extended(...) and its callbacks().")
+
+# Logged keys that are diagnostics, not what a user reads while training: kept in
+# `history` (and TensorBoard), left out of the progress bar (ProgressBar); the clip
+# (`l2_norm_clip`) is shown only when it adapts.
+DIAGNOSTIC_KEYS = frozenset({"grad_norm", "nonfinite_examples", "steps", "learning_rate"})
+CLIP_KEY = "l2_norm_clip"
 
 
 class PrivacyBudgetExceededError(RuntimeError):
@@ -190,7 +208,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         raise PrivacyBudgetExceededError(
             f"No further step fits in the privacy budget epsilon = {self.epsilon_budget:g}: "
             f"{steps} steps taken, at most {self._max_steps} allowed "
-            f"(steps_per_execution = {self._lookahead()}).")
+            f"(steps_per_execution = {self._lookahead()}). {EXTEND_ADVICE}")
     self.steps = steps
     self.epsilon = self.plan.report(self.model).epsilon
 
@@ -220,5 +238,103 @@ class PrivacyCallback(keras.callbacks.Callback):
       self._writer.flush()
 
 
-__all__ = ["EPSILON_KEY", "PrivacyBudgetExceededError", "PrivacyCallback", "steps_taken",
+class ProgressBar(keras.callbacks.ProgbarLogger):
+  """Keras' progress bar for DP training: what a user reads, and the steps that run.
+
+  * Shows the loss, the compiled metrics, ``epsilon`` and the clipping statistics
+    (``clipped_fraction`` with clipping, ``l2_norm_clip`` with adaptive clipping);
+    the diagnostics in :data:`DIAGNOSTIC_KEYS` stay in ``history`` and TensorBoard
+    but not on the bar (``nonfinite_examples`` is shown when it is not 0).
+  * With ``total_steps`` (the plan's), an epoch that holds fewer steps than
+    ``steps_per_epoch`` (a partial last epoch, or one cut by the budget) is
+    labelled ``Epoch 3/3 (partial: 50 of 100 steps)`` and its bar counts to the
+    steps that ran, not to ``steps_per_epoch`` (Keras finalizes a stopped bar at
+    its target).
+
+  ``fit`` of a DP model adds one unless a ``ProgbarLogger`` is among the callbacks.
+
+  Args:
+    total_steps: the step count training ends at, counted from the first step
+      (None: unknown, every epoch is shown as full).
+  """
+
+  dp_observes_only = True  # displays; never changes training
+
+  def __init__(self, total_steps: Optional[int] = None):
+    super().__init__()
+    self.total_steps = None if total_steps is None else int(total_steps)
+    self.steps_per_epoch = None
+    self._steps_done = 0
+    self._hidden = DIAGNOSTIC_KEYS | {CLIP_KEY}
+
+  def set_params(self, params):
+    super().set_params(params)
+    self.steps_per_epoch = self.target
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    ledger = getattr(self.model, "privacy_ledger", None)
+    self._steps_done = ledger.steps if isinstance(ledger, ledger_lib.PrivacyLedger) else 0
+    adaptive = getattr(getattr(self.model, "optimizer", None), "adaptive_clip", None)
+    self._hidden = DIAGNOSTIC_KEYS | (frozenset() if adaptive is not None else {CLIP_KEY})
+
+  def on_epoch_begin(self, epoch, logs=None):
+    spe, partial = self.steps_per_epoch, False
+    if spe is not None and self.total_steps is not None:
+      self.target = max(1, min(spe, self.total_steps - self._steps_done))
+      partial = self.target < spe
+    self._reset_progbar()
+    self._maybe_init_progbar()
+    if self.verbose and (self.epochs > 1 or partial):
+      label = f" (partial: {self.target} of {spe} steps)" if partial else ""
+      io_utils.print_msg(f"Epoch {epoch + 1}/{self.epochs}{label}")
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.target is not None and 0 < self.seen < self.target:
+      self.target = self.seen  # stopped early: show the steps that ran
+      if self.progbar is not None:
+        self.progbar.target = self.seen
+    self._steps_done += self.seen
+    super().on_epoch_end(epoch, logs)
+
+  def _update_progbar(self, batch, logs=None):
+    super()._update_progbar(batch, shown(logs, self._hidden))
+
+  def _finalize_progbar(self, logs):
+    super()._finalize_progbar(shown(logs, self._hidden))
+
+
+def with_progress_bar(callbacks, total_steps: Optional[int] = None) -> list:
+  """``callbacks`` with a :class:`ProgressBar` appended, unless a ``ProgbarLogger`` is
+  among them already."""
+  callbacks = list(callbacks or [])
+  if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+    callbacks.append(ProgressBar(total_steps=total_steps))
+  return callbacks
+
+
+def shown(logs, hidden=DIAGNOSTIC_KEYS | {CLIP_KEY}):
+  """The entries of ``logs`` that the progress bar shows: all but ``hidden``, and
+  ``nonfinite_examples`` when it is not 0 (see :class:`ProgressBar`).
+
+  >>> shown({"loss": 0.5, "grad_norm": 2.0, "nonfinite_examples": 0.0, "epsilon": 1.0})
+  {'loss': 0.5, 'epsilon': 1.0}
+  >>> shown({"loss": 0.5, "nonfinite_examples": 3.0})
+  {'loss': 0.5, 'nonfinite_examples': 3.0}
+  """
+  if logs is None:
+    return None
+  return {k: v for k, v in logs.items()
+          if k not in hidden or (k == "nonfinite_examples" and _nonzero(v))}
+
+
+def _nonzero(value) -> bool:
+  try:
+    return float(value) != 0.0
+  except (TypeError, ValueError):
+    return True
+
+
+__all__ = ["CLIP_KEY", "DIAGNOSTIC_KEYS", "EPSILON_KEY", "EXTEND_ADVICE", "PrivacyBudgetExceededError",
+           "PrivacyCallback", "ProgressBar", "shown", "steps_taken", "with_progress_bar",
            "write_scalar"]

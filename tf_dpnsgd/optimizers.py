@@ -443,7 +443,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       return cls(**config)
 
 
-def make_private_optimizer(optimizer, *, noise_multiplier, regularizer=None, l2_norm_clip=None,
+def make_private_optimizer(optimizer, *, noise_multiplier=None, regularizer=None, l2_norm_clip=None,
                            seed=None, target_unclipped_quantile=None, clip_learning_rate=None,
                            clipped_count_stddev=None) -> PrivateOptimizer:
   """Returns ``optimizer`` made private: per-example normalization or clipping, then noise.
@@ -451,7 +451,10 @@ def make_private_optimizer(optimizer, *, noise_multiplier, regularizer=None, l2_
   Args:
     optimizer: any Keras 3 optimizer (instance, or a name like ``"adamw"``); its
       update rule is applied to the privatized mean gradient unchanged.
-    noise_multiplier: ``sigma >= 0`` (noise std on the sum: ``sigma * S``).
+    noise_multiplier: ``sigma >= 0`` (noise std on the sum: ``sigma * S``); ``None``
+      (default): the privacy plan of the model it is compiled with sets it
+      (``make_private(model, target_epsilon=...)``); ``compile`` raises when no
+      plan does.
     regularizer: ``r > 0``: normalize each example, ``h_i = 1/(r + ||g_i||)``
       (DP-NSGD; sensitivity 1).
     l2_norm_clip: ``c > 0``: clip each example to norm ``c`` (DP-SGD;

@@ -15,7 +15,13 @@ by the package, not by hand:
   stops at the budget. A ``batch_size``/``epochs``/``steps_per_epoch`` that
   disagrees with the plan is an error; a batched dataset is refused unless it
   came from ``plan.dataset`` (the explicit path, passed through unchanged);
-* ``model.privacy_report()`` is the report of what the ledger executed.
+* ``model.privacy_report()`` is the report of what the ledger executed;
+* ``model.extend_privacy_plan(target_epsilon=... or epochs=...)`` (totals,
+  counted from the first step) lets a model whose plan has run train on at
+  the same noise multiplier (:func:`extend`), also after ``load_model``.
+
+``epochs`` are Keras epochs: ``epochs=3`` runs three epochs of
+``plan.steps_per_epoch`` steps, and the epsilon is that of exactly those steps.
 
 A :class:`~tf_dpnsgd.callbacks.PrivacyCallback` of the model's plan among
 ``fit``'s callbacks (``model.privacy_plan.callbacks(log_dir=..., state_path=...)``)
@@ -204,9 +210,30 @@ def fit_arguments(model, arguments: dict) -> dict:
   args.update(fit_kwargs)
   args["x"] = plan.dataset(x, y, model=model)
   args["shuffle"] = False  # the sampler draws the batches
-  args["callbacks"] = ([] if _has_privacy_callback(user_callbacks, plan) else plan.callbacks()) \
-      + user_callbacks
+  args["callbacks"] = callbacks_lib.with_progress_bar(
+      ([] if _has_privacy_callback(user_callbacks, plan) else plan.callbacks()) + user_callbacks,
+      total_steps=plan.num_steps)
   return args
+
+
+def extend(model, *, target_epsilon=None, epochs=None, steps=None):
+  """Replaces ``model``'s owned plan by :meth:`~tf_dpnsgd.plan.PrivacyPlan.extended`
+  (same noise multiplier, more steps); returns the new plan.
+
+  Raises:
+    ValueError: the model owns no plan, or owns one whose data set size is not
+      known yet (no ``fit`` ran: give ``make_private`` the budget you want).
+  """
+  if getattr(model, "_dp_owned_plan", None) is None:
+    raise ValueError("This model owns no privacy plan to extend (made without privacy "
+                     "keywords): on the explicit path use plan = plan.extended(...).")
+  plan = model._dp_plan
+  if plan is None:
+    raise ValueError("The model's privacy plan has not run a step yet (its data set size is "
+                     "fixed by the first fit): give make_private the budget you want instead.")
+  new = plan.extended(target_epsilon=target_epsilon, epochs=epochs, steps=steps)
+  model._dp_owned_plan = model._dp_plan = new
+  return new
 
 
 def _has_privacy_callback(callbacks, plan) -> bool:
@@ -228,20 +255,22 @@ def _check_against_plan(plan, args, model) -> None:
     planned = plan.epochs
     if planned is None:
       raise ValueError(f"fit(epochs={epochs}) but the model's privacy plan fixes the number "
-                       f"of steps ({plan.num_steps}): omit epochs.")
+                       f"of steps ({plan.num_steps}): omit epochs (to train longer: "
+                       "model.extend_privacy_plan(steps=...) or (target_epsilon=...)).")
     if not math.isclose(float(epochs), float(planned)):
       raise ValueError(
           f"fit(epochs={epochs}) but the model's privacy plan runs {planned:g} epochs (its "
-          f"epsilon is for {plan.num_steps} steps): omit epochs, or "
-          f"make_private(..., epochs={epochs}).")
+          f"epsilon is for {plan.num_steps} steps): omit epochs. To train longer, extend the "
+          "plan first: model.extend_privacy_plan(epochs=<total, counted from the first "
+          "step>) or (target_epsilon=...).")
   steps = args.get("steps_per_epoch")
-  if steps is not None and int(steps) != plan.spec.steps_per_epoch:
+  if steps is not None and int(steps) != plan.steps_per_epoch:
     raise ValueError(f"fit(steps_per_epoch={steps}) disagrees with the privacy plan "
-                     f"({plan.spec.steps_per_epoch} steps per epoch): omit it.")
+                     f"({plan.steps_per_epoch} steps per epoch): omit it.")
   initial = args.get("initial_epoch")
   if initial not in (None, 0) and initial != plan.fit_kwargs(model)["initial_epoch"]:
     raise ValueError("fit(initial_epoch=...) is set by the privacy ledger: omit it.")
 
 
-__all__ = ["PlanRequest", "examples_of", "fit_arguments", "is_tagged_dataset", "plan_config",
+__all__ = ["PlanRequest", "examples_of", "extend", "fit_arguments", "is_tagged_dataset", "plan_config",
            "plan_from_config", "request_of"]

@@ -65,7 +65,9 @@ class PrivacyPlan:
     batch_size: ``B`` (expected batch size ``qN`` for Poisson).
     sampling: ``"poisson"``, ``"uniform"`` or ``"shuffle"``.
     delta: in (0, 1).
-    steps / epochs: exactly one; ``steps = floor(epochs * N / B)``.
+    steps / epochs: exactly one; ``steps = floor(epochs * steps_per_epoch)``, so that
+      ``epochs`` whole Keras epochs of :attr:`steps_per_epoch` steps run (see
+      :meth:`fit_kwargs`) and the epsilon is that of exactly those steps.
     noise_multiplier / target_epsilon: exactly one; a target is met by
       calibrating ``sigma`` (bisection to ``calibration_tolerance``).
     accountant, bound, conversion: see :class:`tf_dpnsgd.accounting.AccountingSpec`.
@@ -124,7 +126,7 @@ class PrivacyPlan:
       raise ValueError("`max_batch_size` applies to Poisson sampling only.")
     self.spec  # validates the sampling/accountant/bound/conversion combination
     if self.num_steps == 0:
-      raise ValueError("The plan has zero steps (floor(epochs * N / B) = 0).")
+      raise ValueError("The plan has zero steps (floor(epochs * steps_per_epoch) = 0).")
     if self.noise_multiplier is not None:
       # Fail now, not at the first callback, when the accountant cannot account for this
       # sigma (e.g. bound="paper" outside Bun et al.'s Thm 11).
@@ -140,11 +142,29 @@ class PrivacyPlan:
                                 releases=self.releases)
 
   @functools.cached_property
+  def steps_per_epoch(self) -> int:
+    """Steps of one epoch (one Keras epoch in :meth:`fit_kwargs`).
+
+    Shuffling: ``N // B``, the batches of one permutation (the accountant counts
+    epochs). Poisson and uniform sampling: ``round(N / B)`` (halves up), the
+    steps whose expected number of examples is closest to one pass over the data.
+
+    >>> PrivacyPlan(dataset_size=1437, batch_size=128, sampling="poisson", epochs=40,
+    ...             noise_multiplier=1.0, delta=1e-5, seed=0).steps_per_epoch
+    11
+    """
+    if self.sampling == "shuffle":
+      return self.spec.steps_per_epoch
+    return max(1, (2 * self.dataset_size + self.batch_size) // (2 * self.batch_size))
+
+  @functools.cached_property
   def num_steps(self) -> int:
-    """Total number of steps the claim covers."""
+    """Total number of steps the claim covers: ``steps``, or
+    ``floor(epochs * steps_per_epoch)`` (whole epochs for a whole ``epochs``)."""
     if self.steps is not None:
       return int(self.steps)
-    return accounting.steps_from_epochs(self.epochs, self.dataset_size, self.batch_size)
+    # floor(epochs * steps_per_epoch), exactly (epochs read as its decimal value).
+    return accounting.steps_from_epochs(self.epochs, self.steps_per_epoch, 1)
 
   @functools.cached_property
   def training_noise_multiplier(self) -> float:
@@ -451,11 +471,13 @@ class PrivacyPlan:
     """``epochs``, ``steps_per_epoch`` and ``initial_epoch`` for ``model.fit``.
 
     ``initial_epoch`` follows ``model``'s privacy ledger (or ``start_step``).
-    ``epochs * steps_per_epoch`` may exceed :attr:`num_steps` when ``N / B`` is
-    not an integer; :meth:`callbacks` stops training at the planned budget.
+    A plan of whole ``epochs`` runs exactly ``epochs`` Keras epochs of
+    :attr:`steps_per_epoch` steps; otherwise the last Keras epoch is partial
+    and :meth:`callbacks` stops training at the planned budget (the progress
+    bar labels it, :class:`~tf_dpnsgd.callbacks.ProgressBar`).
     """
     start_step = _start_step(start_step, model)
-    spe = self.spec.steps_per_epoch
+    spe = self.steps_per_epoch
     return {"epochs": max(1, math.ceil(self.num_steps / spe)), "steps_per_epoch": spe,
             "initial_epoch": start_step // spe}
 

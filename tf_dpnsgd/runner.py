@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import training
 
@@ -291,39 +292,23 @@ class EpochRecorder(keras.callbacks.Callback):
       self.print_fn(epoch + 1, logs)
 
 
-class StepProgbar(keras.callbacks.ProgbarLogger):
-  """Keras' progress bar, counting the steps each epoch actually runs.
+class StepProgbar(callbacks_lib.ProgressBar):
+  """The DP progress bar (:class:`tf_dpnsgd.callbacks.ProgressBar`: what a user reads; each
+  epoch counts the steps it runs), counting from ``start_step`` (a non-private model has no
+  ledger to read it from).
 
   Keras sets the bar's target to ``steps_per_epoch`` and, when training stops
   early (``--max_steps``, the privacy budget, a last partial epoch), still
-  finalizes the bar at that target: a 59-step run showed ``1052/1052``. Here
-  each epoch's target is ``min(steps_per_epoch, steps left)`` and the bar is
-  finalized at the steps run.
+  finalizes the bar at that target: a 59-step run showed ``1052/1052``.
   """
 
-  dp_observes_only = True  # displays; never changes training
-
   def __init__(self, start_step: int, total_steps: int):
-    super().__init__()
-    self.steps_done, self.total_steps = int(start_step), int(total_steps)
-    self.steps_per_epoch = None
+    super().__init__(total_steps=total_steps)
+    self.start_step = int(start_step)
 
-  def set_params(self, params):
-    super().set_params(params)
-    self.steps_per_epoch = self.target
-
-  def on_epoch_begin(self, epoch, logs=None):
-    if self.steps_per_epoch is not None:
-      self.target = max(1, min(self.steps_per_epoch, self.total_steps - self.steps_done))
-    super().on_epoch_begin(epoch, logs)
-
-  def on_epoch_end(self, epoch, logs=None):
-    if self.target is not None and 0 < self.seen < self.target:
-      self.target = self.seen  # stopped early: show the steps that ran
-      if self.progbar is not None:
-        self.progbar.target = self.seen
-    self.steps_done += self.seen
-    super().on_epoch_end(epoch, logs)
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    self._steps_done = self.start_step
 
 
 __all__ = ["EpochRecorder", "StepProgbar", "StopAtStep", "Trained", "build",

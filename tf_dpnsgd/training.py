@@ -1,6 +1,6 @@
 """``DPModel`` and ``make_private``: the train step that feeds DP optimizers.
 
-This module is long (about 680 lines): the Keras glue of the DP step (options, the owned
+This module is long (about 850 lines): the Keras glue of the DP step (options, the owned
 plan, compile, fit under the guard, metrics, saving) and the two model classes share one
 mixin's state and are easier to check together; the step itself is :mod:`tf_dpnsgd.step`.
 
@@ -342,6 +342,23 @@ class _DPTrainer:
                        "batch_size=..., epochs=...) and fit it, or use plan.report(model).")
     return self._dp_plan.report(self)
 
+  def extend_privacy_plan(self, *, target_epsilon=None, epochs=None, steps=None):
+    """Lets a model whose plan has run train on: more steps at the same noise multiplier.
+
+    The one way to go on after the budget stop (``PrivacyBudgetExceededError``):
+    ``model.extend_privacy_plan(target_epsilon=6.0)`` (as many steps, whole epochs
+    for a plan of epochs, as fit in epsilon 6) or ``(epochs=5)`` / ``(steps=...)``
+    (the new total), then ``fit`` again. Totals count every step from the first;
+    the steps taken and the new ones share the plan's noise multiplier, so
+    ``privacy_report()`` stays exact. Saved with the model (``.keras``).
+
+    Returns:
+      The new :class:`~tf_dpnsgd.plan.PrivacyPlan` (see
+      :meth:`~tf_dpnsgd.plan.PrivacyPlan.extended`).
+    """
+    return owned_plan_lib.extend(self, target_epsilon=target_epsilon, epochs=epochs,
+                                 steps=steps)
+
   def _dp_resolve_plan(self, dataset_size: int):
     """The owned plan for ``dataset_size`` examples; gives its noise to the optimizer."""
     owned = self._dp_owned_plan
@@ -529,22 +546,32 @@ class _DPTrainer:
     other source must be tagged by a sampler (``plan.dataset``) unless the
     model was built with ``trust_untagged_batches=True``. At the end (also
     after an error) the weights' fingerprint is recorded with the ledger
-    (:mod:`tf_dpnsgd.lineage`).
+    (:mod:`tf_dpnsgd.lineage`) and the data iterators are released.
+
+    The progress bar is :class:`tf_dpnsgd.callbacks.ProgressBar` (loss, metrics,
+    epsilon; the diagnostics stay in ``history``) unless a ``ProgbarLogger`` is
+    among the callbacks. A dataset is never shuffled by Keras (``shuffle=False``
+    unless given: the sampler draws the batches).
     """
     bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
     arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
     if self._dp_owned_plan is not None:  # the model draws its own plan's batches
       arguments = owned_plan_lib.fit_arguments(self, arguments)
     x = arguments.get("x")
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+      arguments.setdefault("shuffle", False)  # Keras ignores it for datasets (and warns)
+    arguments["callbacks"] = callbacks_lib.with_progress_bar(arguments.get("callbacks"))
     guard = self._dp_guard
     coverage.check_data_derived_state(self, self._dp_public_state)  # adapted after compile?
     guard.batch_source = "arrays" if _is_in_memory(x) else "other"
     guard.fit_checks_pending = True
     self._note_fit_callbacks(arguments.get("callbacks"))
+    object.__setattr__(self, "_dp_fit_iterators", [])
     try:
       return super().fit(**arguments)
     finally:
       guard.batch_source = None
+      _release_iterators(self.__dict__.pop("_dp_fit_iterators", None) or [])
       self._record_lineage()
 
   def _note_fit_callbacks(self, callbacks) -> None:
@@ -577,6 +604,8 @@ class _DPTrainer:
     step never passes them (:func:`tf_dpnsgd.ledger.parse_batch_weights`). The
     shapes and dtypes of one replica's ``(x, y)`` are all the build needs.
     """
+    if iterator is not None and isinstance(self.__dict__.get("_dp_fit_iterators"), list):
+      self._dp_fit_iterators.append(iterator)  # released when fit ends (_release_iterators)
     strategy = getattr(self, "_distribute_strategy", None)
     if strategy is not None and data_batch is None and iterator is not None:
       for _, _, it in iterator:
