@@ -185,3 +185,33 @@ def test_rng_state_check_catches_a_leak(tmp_path):
   tf.saved_model.save(module, str(tmp_path / "leaky"))
   with pytest.raises(RuntimeError, match="RNG state"):
     export.check_no_rng_state(tmp_path / "leaky")
+
+
+@pytest.mark.slow
+def test_a_private_model_loaded_from_a_keras_file_exports(tmp_path):
+  """Issue 31: a wrapped private model (Sequential) saved as .keras and loaded in a new
+  session was never called, and Keras' export refused it; both exports work now."""
+  keras.utils.set_random_seed(0)
+  base = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                           keras.layers.Dense(3)])
+  model = tf_dpnsgd.make_private(base, noise_multiplier=1.0, delta=1e-5, batch_size=8,
+                                 steps=2)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.default_rng(0)
+  x = rng.uniform(0, 16, size=(32, 8, 8, 1)).astype("float32")
+  model.fit(x, rng.integers(0, 3, size=32), verbose=0)
+  model.save(str(tmp_path / "m.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  expected = loaded.predict(x[:4], verbose=0)
+
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))  # fresh: never called
+  loaded.export(str(tmp_path / "plain"), verbose=False)
+  restored = tf.saved_model.load(str(tmp_path / "plain"))  # kept: it owns the variables
+  np.testing.assert_allclose(restored.serve(tf.constant(x[:4])), expected, rtol=1e-5,
+                             atol=1e-6)
+
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  export.export_image_classifier(loaded, str(tmp_path / "images"), mean=None, std=None)
+  logits = export.load_serving_fn(str(tmp_path / "images"))(images=tf.constant(x[:4]))["logits"]
+  np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)

@@ -78,7 +78,9 @@ def export_image_classifier(model, export_dir, mean, std, scale=255.0):
       ``PixelNormalization`` layer and ``mean``/``std`` are given (the pixels
       would be normalized twice).
   """
-  shape = tuple(model.input_shape[1:])
+  training.ensure_called(model)  # a wrapped model just loaded from .keras
+  spec = training.saved_input_spec(model)
+  shape = tuple((spec.shape if isinstance(spec, keras.KerasTensor) else model.input_shape)[1:])
   if len(shape) != 3:
     raise ValueError(f"Model '{model.name}' takes {shape}; expected images [H, W, C].")
   if (mean is None) != (std is None):
@@ -121,6 +123,7 @@ def export_text_classifier(model, preprocessor, export_dir):
     ``export_dir``.
   """
   preprocessor(tf.constant(["build"]))  # builds the tokenizer layers before tracking
+  training.ensure_called(model)
 
   def serve(sentences):
     return classification_outputs(model(preprocessor(sentences), training=False))

@@ -415,6 +415,15 @@ def make_probe_function(model):
   def probe(data):
     return strategy.run(replica_fn, args=(data,))
 
-  return probe if model.run_eagerly else tf.function(probe, autograph=False)
+  if model.run_eagerly:
+    return probe
+  function = tf.function(probe, autograph=False)
+  # One probe per compile, called (and traced) once: TensorFlow's frequent-retracing
+  # detector, keyed on this code object (shared by every model's probe), would warn
+  # "triggered tf.function retracing" from the fifth private model in a process on,
+  # about tracings that are one per model by design. (Saved functions that TF loads
+  # set the same flag.)
+  function._omit_frequent_tracing_warning = True  # pylint: disable=protected-access
+  return function
 
 

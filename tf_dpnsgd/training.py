@@ -224,15 +224,23 @@ def ensure_called(model) -> None:
   spec comes from the model's build shapes, else from the model it wraps (its
   ``inputs`` or build shapes). The call is symbolic: no data, no state change.
   """
-  if getattr(model, "_called", True) or not model.built:
-    return
-  spec = _saved_input_spec(model)
+  if getattr(model, "_called", True) or not model.built or _graph_inputs(model):
+    return  # called, or not built, or a functional/Sequential model (its inputs are known)
+  spec = saved_input_spec(model)
   if spec is not None:  # else Keras' own "never called" error follows
     model(spec, training=False)
 
 
-def _saved_input_spec(model):
-  """Fresh ``KerasTensor``\ s shaped as the inputs ``model`` (or the model it wraps) was
+def _graph_inputs(model):
+  """A functional or Sequential model's input tensors (None for a subclassed model)."""
+  try:
+    return model.inputs
+  except (AttributeError, ValueError):
+    return None
+
+
+def saved_input_spec(model):
+  """Fresh Keras tensors shaped as the inputs ``model`` (or the model it wraps) was
   built for; None if neither recorded them."""
   def from_shape(shape, dtype):
     if isinstance(shape, dict):
@@ -246,12 +254,9 @@ def _saved_input_spec(model):
     if not isinstance(candidate, keras.Model):
       continue
     shapes = getattr(candidate, "_build_shapes_dict", None) or {}
-    if len(shapes) == 1:
+    if len(shapes) == 1 and next(iter(shapes.values())) is not None:
       return from_shape(next(iter(shapes.values())), candidate.input_dtype)
-    try:
-      inputs = candidate.inputs
-    except (AttributeError, ValueError):
-      continue
+    inputs = _graph_inputs(candidate)
     if inputs:
       struct = getattr(candidate, "_inputs_struct", None)
       struct = struct if struct is not None else (inputs[0] if len(inputs) == 1 else inputs)
@@ -511,6 +516,20 @@ class _DPTrainer:
   def loss_scale(self) -> float:
     """The fixed loss scale of the DP step (1 unless a layer computes in float16)."""
     return getattr(self, "_dp_loss_scale", 1.0)
+
+  def export(self, filepath, format="tf_saved_model", verbose=None,  # noqa: A002 (Keras')
+             input_signature=None, **kwargs):
+    """``keras.Model.export``, also for a wrapped private model just loaded from a
+    ``.keras`` file: it is called once symbolically (:func:`ensure_called`) and, unless
+    given, the input signature is that of its saved inputs."""
+    ensure_called(self)
+    if input_signature is None and not isinstance(self, DPModel):
+      spec = saved_input_spec(self)
+      if spec is not None:
+        input_signature = [tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape, t.dtype), spec)]
+    return super().export(filepath, format=format, verbose=verbose,
+                          input_signature=input_signature, **kwargs)
 
   def compile_from_config(self, config):
     """Restores ``compile`` (with its DP optimizer) when a saved model is loaded."""

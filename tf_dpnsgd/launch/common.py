@@ -395,6 +395,25 @@ def config_from_flags(flag_values: Optional[flags.FlagValues] = None) -> Experim
     raise LaunchError(str(e)) from None
 
 
+def quiet_tensorflow_info() -> None:
+  """TensorFlow's own INFO lines (``Sharding callback duration``, ``Assets written to``,
+  signature-name notices while exporting) go to WARNING and above; the launchers' and
+  tf_dpnsgd's INFO lines (the plan, the engine chosen) stay."""
+  import logging as py_logging
+
+  from absl import logging as absl_logging
+
+  def keep(record) -> bool:
+    path = record.pathname.replace(os.sep, "/")
+    return record.levelno >= py_logging.WARNING or not any(
+        f"/{package}/" in path for package in ("tensorflow", "tf_keras", "keras"))
+
+  py_logging.getLogger("tensorflow").setLevel(py_logging.WARNING)  # its own stream handler
+  for handler in {absl_logging.get_absl_handler(), *py_logging.getLogger().handlers}:
+    if not any(getattr(f, "__name__", "") == keep.__name__ for f in handler.filters):
+      handler.addFilter(keep)
+
+
 def main_with_usage_errors(main: Callable) -> Callable:
   """Wraps a launcher's ``main``: a :class:`LaunchError` (or an existing export
   directory) exits with status 1 and one ``FATAL`` line on stderr, no traceback."""
@@ -402,6 +421,7 @@ def main_with_usage_errors(main: Callable) -> Callable:
 
   @functools.wraps(main)
   def wrapped(argv):
+    quiet_tensorflow_info()
     try:
       return main(argv)
     except (LaunchError, FileExistsError) as e:
