@@ -111,9 +111,15 @@ def bind_call_arguments(call, args, kwargs) -> dict:
   return dict(bound.arguments)
 
 
-def common_unsupported(layer) -> str | None:
-  """Reasons shared by Keras core layers: LoRA, quantization, rematerialisation."""
-  if getattr(layer, "lora_enabled", False):
+def common_unsupported(layer, lora: bool = False) -> str | None:
+  """Reasons shared by Keras core layers: LoRA, quantization, rematerialisation.
+
+  Args:
+    layer: the layer.
+    lora: True for rules that handle LoRA (``Dense``, ``EinsumDense``:
+      :mod:`tf_dpnsgd.per_example.layers.lora`); else LoRA is a reason.
+  """
+  if getattr(layer, "lora_enabled", False) and not lora:
     return "LoRA is enabled (the effective kernel is W + A B)"
   if getattr(layer, "quantization_mode", None) is not None:
     return f"the layer is quantized ({layer.quantization_mode})"

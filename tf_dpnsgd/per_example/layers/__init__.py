@@ -5,6 +5,8 @@ layer type                                     module             per-example no
 =============================================  =================  ==================================
 ``keras.layers.Dense``                         :mod:`.dense`      kernel (ghost or materialised), bias
 ``keras.layers.EinsumDense``                   :mod:`.dense`      kernel (ghost or materialised), bias
+``Dense`` / ``EinsumDense`` with LoRA          :mod:`.dense`,     ``lora_kernel_a``, ``lora_kernel_b``
+                                               :mod:`.lora`       (as kernels), bias; not the frozen W
 ``keras.layers.Conv1D`` / ``Conv2D``           :mod:`.conv`       kernel from input patches (per group), bias
 ``keras.layers.Embedding``                     :mod:`.embedding`  rows gathered per example
 ``keras.layers.ReversibleEmbedding`` (also     :mod:`.embedding`  lookup rows, reverse projection,
@@ -19,6 +21,6 @@ keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``, functional
 sub-models and backbones) need no rule: the engine visits their sublayers.
 """
 
-from tf_dpnsgd.per_example.layers import conv, dense, embedding, normalization
+from tf_dpnsgd.per_example.layers import conv, dense, embedding, lora, normalization
 
-__all__ = ["conv", "dense", "embedding", "normalization"]
+__all__ = ["conv", "dense", "embedding", "lora", "normalization"]

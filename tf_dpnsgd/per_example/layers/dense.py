@@ -7,6 +7,12 @@ probes it, and applies the activation. Per example ``i`` the kernel gradient is
 input and output other than the batch): an :class:`~..factored.Outer`.
 EinsumDense equations whose kernel shares an axis with both input and output
 (a per-position weight) get materialised per-example gradients instead.
+
+With LoRA enabled (``layer.enable_lora(rank)``) Keras' ``kernel`` property is
+``W + s A B``; the rule recomputes ``z`` with it as Keras does, and the
+trainable factors ``A``, ``B`` get their per-example gradients from the same
+``x`` and ``dz`` (:mod:`.lora`); the frozen ``W`` gets none (unless it was
+made trainable again).
 """
 
 from __future__ import annotations
@@ -21,21 +27,43 @@ from keras import ops
 
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
+from tf_dpnsgd.per_example.layers import lora as lora_lib
 
 
 def _apply_activation(layer, z):
   return layer.activation(z) if layer.activation is not None else z
 
 
+def _unsupported(layer):
+  """Quantized or rematerialized layers; LoRA is handled (:mod:`.lora`)."""
+  return registry_lib.common_unsupported(layer, lora=True)
+
+
+def _lora_representations(layer, inputs, kernel, output, x, dz):
+  """``[(lora_kernel_a, rep), (lora_kernel_b, rep)]``, or ``[]`` without LoRA."""
+  if not layer.lora_enabled:
+    return []
+  out = []
+  for g in lora_lib.factor_gradients(layer, inputs, kernel, output, x, dz):
+    structure = einsum_structure(g.equation, len(g.x.shape))
+    out.append((g.variable, einsum_kernel_representation(structure, g.x, g.dz,
+                                                         tuple(g.variable.shape))))
+  return out
+
+
 # --- Dense -------------------------------------------------------------------
 
 def _dense_variables(layer):
-  return [layer.kernel, layer.bias]
+  return [lora_lib.base_kernel(layer), layer.bias] + _lora_variables(layer)
+
+
+def _lora_variables(layer):
+  return [layer.lora_kernel_a, layer.lora_kernel_b] if layer.lora_enabled else []
 
 
 def _dense_capture(layer, call, args, kwargs, probe):
   inputs = registry_lib.bind_call_arguments(call, args, kwargs)["inputs"]
-  z = ops.matmul(inputs, layer.kernel)
+  z = ops.matmul(inputs, layer.kernel)  # under LoRA, Keras' merged W + s A B
   if layer.bias is not None:
     z = ops.add(z, layer.bias)
   z = probe(z)
@@ -46,7 +74,9 @@ def _dense_capture(layer, call, args, kwargs, probe):
     d_in, d_out = layer.kernel.shape
     a = tf.reshape(inputs, [batch, -1, d_in])
     b = tf.reshape(dz, [batch, -1, d_out])
-    out = [(layer.kernel, factored.Outer(a, b, [d_in], [d_out]))]
+    kernel = lora_lib.base_kernel(layer)
+    out = [(kernel, factored.Outer(a, b, [d_in], [d_out]))] if kernel.trainable else []
+    out += _lora_representations(layer, "abc", "cd", "abd", a, b)
     if layer.bias is not None:
       out.append((layer.bias,
                   factored.Materialized(registry_lib.per_example_bias_grads(dz, layer.bias))))
@@ -56,7 +86,7 @@ def _dense_capture(layer, call, args, kwargs, probe):
 
 
 DENSE_RULE = registry_lib.LayerRule(variables=_dense_variables, capture=_dense_capture,
-                                    unsupported=registry_lib.common_unsupported)
+                                    unsupported=_unsupported)
 
 
 # --- EinsumDense ---------------------------------------------------------------
@@ -153,21 +183,24 @@ def einsum_kernel_representation(s: EinsumStructure, x, dz, kernel_shape):
 
 
 def _einsum_variables(layer):
-  return [layer.kernel, layer.bias]
+  return [lora_lib.base_kernel(layer), layer.bias] + _lora_variables(layer)
 
 
 def _einsum_capture(layer, call, args, kwargs, probe):
   inputs = registry_lib.bind_call_arguments(call, args, kwargs)["inputs"]
   structure = einsum_structure(layer.equation, len(inputs.shape))
-  z = ops.einsum(layer.equation, inputs, layer.kernel)
+  z = ops.einsum(layer.equation, inputs, layer.kernel)  # under LoRA, Keras' merged W + s A B
   if layer.bias is not None:
     z = ops.add(z, layer.bias)
   z = probe(z)
 
   def finish(grads):
     (dz,) = grads
-    out = [(layer.kernel,
-            einsum_kernel_representation(structure, inputs, dz, tuple(layer.kernel.shape)))]
+    kernel = lora_lib.base_kernel(layer)
+    out = ([(kernel, einsum_kernel_representation(structure, inputs, dz, tuple(kernel.shape)))]
+           if kernel.trainable else [])
+    out += _lora_representations(layer, structure.inputs, structure.kernel, structure.output,
+                                 inputs, dz)
     if layer.bias is not None:
       out.append((layer.bias,
                   factored.Materialized(registry_lib.per_example_bias_grads(dz, layer.bias))))
@@ -177,7 +210,7 @@ def _einsum_capture(layer, call, args, kwargs, probe):
 
 
 EINSUM_DENSE_RULE = registry_lib.LayerRule(variables=_einsum_variables, capture=_einsum_capture,
-                                           unsupported=registry_lib.common_unsupported)
+                                           unsupported=_unsupported)
 
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.Dense, DENSE_RULE)
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.EinsumDense, EINSUM_DENSE_RULE)
