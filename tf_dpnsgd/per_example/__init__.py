@@ -13,14 +13,21 @@ and guarantees that ``EngineOutput.summed`` equals ``sum_u h_u g_u`` where
 Engines (``per_example=`` on ``DPModel`` / ``make_private``):
   * ``"layerwise"``: :func:`layerwise.layerwise_engine`, per-example norms
     and the weighted sum from each layer's inputs and output gradients (ghost
-    norms / book-keeping); one forward and one backward pass. Needs a rule
+    norms / book-keeping); one forward and one backward pass, holding every
+    layer's output gradient until all norms exist. Needs a rule
     (:mod:`registry`) for every layer holding trainable variables.
+  * ``"two_pass"``: :func:`layerwise.two_pass_engine`, the same rules in two
+    forward and backward passes (norms, then the weighted sum): about a plain
+    step's memory for one more pass of time.
   * ``"vectorized"``: :func:`vectorized.vectorized_engine`, per-example
     gradients with ``tf.vectorized_map`` (any model whose ops pfor supports).
   * ``"microbatch"``: :func:`microbatch.microbatch_engine`, a loop over units
     (examples, or microbatches with ``num_microbatches``); any model, slowest.
-  * ``"auto"``: ``"layerwise"`` when every trainable variable is covered by a
-    rule, else ``"vectorized"``; logs which and why (:func:`choose_engine`).
+  * ``"auto"``: the layer-wise rules when every trainable variable is covered
+    by one, else ``"vectorized"``; logs which and why (:func:`choose_engine`).
+    With the rules, book-keeping or two passes per traced batch: two passes
+    where the output gradients book-keeping holds exceed the memory budget
+    ``keep_per_example_mib`` (:func:`layerwise.choose_mode`, logged).
     With TensorFlow's oneDNN CPU kernels on, ``"auto"`` never runs the
     vectorized engine on a graph oneDNN breaks: it picks ``"microbatch"`` for
     models with layers known to (:func:`vectorized.onednn_risky_layers`) and
@@ -42,13 +49,14 @@ from tf_dpnsgd.per_example import microbatch
 from tf_dpnsgd.per_example import registry
 from tf_dpnsgd.per_example import vectorized
 from tf_dpnsgd.per_example.base import EngineOutput
-from tf_dpnsgd.per_example.layerwise import layerwise_engine
+from tf_dpnsgd.per_example.layerwise import layerwise_engine, two_pass_engine
 from tf_dpnsgd.per_example.microbatch import microbatch_engine
 from tf_dpnsgd.per_example.registry import DEFAULT_REGISTRY, LayerRule, UnsupportedLayerError
 from tf_dpnsgd.per_example.vectorized import vectorized_engine
 
-ENGINES = {"layerwise": layerwise_engine, "vectorized": vectorized_engine,
-           "microbatch": microbatch_engine}
+ENGINES = {"layerwise": layerwise_engine, "two_pass": two_pass_engine,
+           "vectorized": vectorized_engine, "microbatch": microbatch_engine}
+_LAYERWISE = (layerwise_engine, two_pass_engine)
 ENGINE_NAMES = ("auto",) + tuple(ENGINES)
 
 _log = logging.getLogger(__name__)
@@ -148,7 +156,13 @@ def check_vectorized(model) -> None:
 
 
 def validate_keep_mib(mib):
-  """``keep_per_example_mib``: None (the default budget) or a finite number >= 0."""
+  """``keep_per_example_mib``: None (the default budget) or a finite number >= 0.
+
+  The layer-wise engines' memory budget (MiB) for per-example tensors kept
+  between the norms and the weighted sum: book-keeping's held output gradients
+  first, then per-example weight gradients; ``"auto"`` runs two passes where
+  the output gradients alone exceed it (:func:`layerwise.choose_mode`).
+  """
   if mib is None:
     return None
   if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 <= mib < float("inf"):
@@ -157,11 +171,13 @@ def validate_keep_mib(mib):
   return mib
 
 
-def _with_keep_budget(engine, keep_mib):
-  """``engine`` with the layer-wise engine's keep budget bound (other engines ignore it)."""
-  if keep_mib is None or engine is not layerwise_engine:
+def _with_keep_budget(engine, keep_mib, **kwargs):
+  """``engine`` with the layer-wise engines' keep budget bound (other engines ignore it)."""
+  if engine not in _LAYERWISE or (keep_mib is None and not kwargs):
     return engine
-  return functools.partial(layerwise_engine, keep_bytes=int(keep_mib * 2 ** 20))
+  if keep_mib is not None:
+    kwargs["keep_bytes"] = int(keep_mib * 2 ** 20)
+  return functools.partial(engine, **kwargs)
 
 
 def resolve_engine(model, name: str, keep_mib=None):
@@ -169,18 +185,21 @@ def resolve_engine(model, name: str, keep_mib=None):
 
   ``"auto"`` runs the microbatch engine on ragged inputs (the only exact one
   for them; :func:`_microbatch_for_ragged_inputs`); its choice for dense
-  inputs is the returned function's ``dense_engine``. ``keep_mib``: the
-  layer-wise engine's budget for kept per-example gradients (MiB; None: the
-  default :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`).
+  inputs is the returned function's ``dense_engine``; where that is the
+  layer-wise engine, it is called with ``mode="auto"`` (book-keeping or two
+  passes by memory, decided per traced batch and logged). ``keep_mib``: the
+  layer-wise engines' memory budget for per-example tensors kept between
+  norms and sum (MiB; None: the default
+  :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`).
 
   Raises:
-    UnsupportedLayerError: for ``"layerwise"`` when some trainable variable
+    UnsupportedLayerError: for ``"layerwise"`` or ``"two_pass"`` when some trainable variable
       has no layer-wise rule (the message names the layers); for
       ``"vectorized"`` when oneDNN is on and the model has layers it breaks
       (:func:`check_vectorized`).
   """
   validate_engine_name(name)
-  if name == "layerwise":
+  if name in ("layerwise", "two_pass"):
     layerwise.check_coverage(model)
   if name == "vectorized":
     check_vectorized(model)
@@ -190,7 +209,8 @@ def resolve_engine(model, name: str, keep_mib=None):
   if chosen == "layerwise":
     _log.info("per_example='auto' chose the layer-wise engine for model '%s': %s.",
               model.name, why)
-    return _microbatch_for_ragged_inputs(_with_keep_budget(ENGINES[chosen], keep_mib))
+    return _microbatch_for_ragged_inputs(_with_keep_budget(layerwise_engine, keep_mib,
+                                                           mode="auto"))
   if chosen == "microbatch":
     _log.warning("per_example='auto' chose the microbatch engine (slowest) for model '%s' "
                  "because there is %s. Register layer-wise rules for the other layers, or set "
@@ -207,5 +227,5 @@ def resolve_engine(model, name: str, keep_mib=None):
 
 __all__ = ["DEFAULT_REGISTRY", "EngineOutput", "ENGINES", "ENGINE_NAMES", "LayerRule",
            "UnsupportedLayerError", "check_vectorized", "choose_engine", "layerwise_engine",
-           "microbatch_engine", "registry", "resolve_engine", "validate_engine_name",
-           "validate_keep_mib", "vectorized_engine"]
+           "microbatch_engine", "registry", "resolve_engine", "two_pass_engine",
+           "validate_engine_name", "validate_keep_mib", "vectorized_engine"]

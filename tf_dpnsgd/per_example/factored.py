@@ -427,26 +427,44 @@ class Representation:
 
   def weighted_sum(self, factors: tf.Tensor) -> tf.Tensor:
     """``sum_u factors[u] g_u``; units recomputed by :meth:`squared_norms` added in float64."""
-    factors = tf.cast(factors, tf.float32)
-    if self._recomputed is None:
-      return self.raw_weighted_sum(factors)
-    recomputed, indices, subset = self._recomputed
-    fast = self.raw_weighted_sum(tf.where(recomputed, tf.zeros_like(factors), factors))
-    h = tf.gather(factors, indices)
+    return sum_with_recomputed(self.raw_weighted_sum, self._recomputed, factors)
 
-    def add_exact():
-      def body(j, acc):
-        def add():
-          g, _ = subset.unit_gradient64(j)
-          return acc + tf.cast(h[j], tf.float64) * tf.reshape(g, tf.shape(acc))
 
-        return j + 1, tf.cond(h[j] > 0, add, lambda: acc)
+def sum_with_recomputed(raw_weighted_sum, recomputed, factors: tf.Tensor) -> tf.Tensor:
+  """``sum_u factors[u] g_u``: the float32 sum of the units not recomputed, plus the others.
 
-      acc = tf.zeros(tf.shape(fast), tf.float64)
-      acc = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), acc))[1]
-      return fast + tf.cast(acc, fast.dtype)
+  Args:
+    raw_weighted_sum: a representation's :meth:`Representation.raw_weighted_sum`.
+    recomputed: None, or ``(mask [U], indices [k], subset)`` as
+      :meth:`Representation.squared_norms` leaves it: units whose norm came
+      from their float64 gradient, and ``subset`` their representation. Their
+      factor is 0 in the float32 sum and their float64 gradient is added
+      instead (see the module docstring, item 3).
+    factors: ``[U]``.
 
-    return tf.cond(tf.size(indices) > 0, add_exact, lambda: tf.identity(fast))
+  The two-pass engine calls this with the ``raw_weighted_sum`` of its second
+  pass's representation and the ``recomputed`` of its first pass's.
+  """
+  factors = tf.cast(factors, tf.float32)
+  if recomputed is None:
+    return raw_weighted_sum(factors)
+  mask, indices, subset = recomputed
+  fast = raw_weighted_sum(tf.where(mask, tf.zeros_like(factors), factors))
+  h = tf.gather(factors, indices)
+
+  def add_exact():
+    def body(j, acc):
+      def add():
+        g, _ = subset.unit_gradient64(j)
+        return acc + tf.cast(h[j], tf.float64) * tf.reshape(g, tf.shape(acc))
+
+      return j + 1, tf.cond(h[j] > 0, add, lambda: acc)
+
+    acc = tf.zeros(tf.shape(fast), tf.float64)
+    acc = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), acc))[1]
+    return fast + tf.cast(acc, fast.dtype)
+
+  return tf.cond(tf.size(indices) > 0, add_exact, lambda: tf.identity(fast))
 
 
 class Materialized(Representation):

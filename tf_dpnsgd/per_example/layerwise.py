@@ -26,12 +26,21 @@ input and the gradient of the loss with respect to its output:
 4. **weighted sum** (book-keeping): ``sum_i h_i g_i`` per variable from the
    same captured tensors, with ``h = transform.factors(norms, mask)``; where
    step 3 materialised and kept the per-example gradients (Dense/EinsumDense
-   kernels, up to :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES` in all,
-   longest sequences first: :func:`~tf_dpnsgd.per_example.factored.plan_keeping`),
-   from those, which saves the ``T p q`` product of a plain weight gradient.
+   kernels, within the keep budget, longest sequences first:
+   :func:`~tf_dpnsgd.per_example.factored.plan_keeping`), from those, which
+   saves the ``T p q`` product of a plain weight gradient.
 
-The result equals that of the vectorized engine (tested to rtol 1e-5) at the
-cost of about one plain training step plus the norm computations.
+Book-keeping holds every layer's output gradient from the backward pass until
+all norms exist. ``mode="two_pass"`` (``per_example="two_pass"``) holds none:
+steps 1-3 run with nothing kept (each layer's tensors are freed once its norm
+is computed), then a second forward and backward pass recomputes the same
+tensors (same weights, inputs and random numbers) and each layer's weighted
+sum is built as soon as its output gradient exists, as a plain step builds its
+weight gradient (:func:`_second_pass`). ``mode="auto"`` picks two passes where
+the output gradients book-keeping would hold exceed the keep budget
+(:func:`choose_mode`). The result is the same (tested against single-example
+loops); the guarantees below hold for both (the second pass's sum is computed
+by the same formulas from bit-identical tensors; see :func:`_second_pass`).
 
 Units: without ``num_microbatches`` a unit is an example. With ``m``
 microbatches, unit ``u`` is the gradient of the mean loss of ``B/m``
@@ -81,6 +90,7 @@ import logging
 import threading
 
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled
 
 from tf_dpnsgd.per_example import dropout as dropout_lib
 from tf_dpnsgd.per_example import factored
@@ -351,13 +361,148 @@ def check_coverage(model, registry=None) -> registry_lib.Coverage:
   return cov
 
 
+#: Modes of :func:`layerwise_engine`: how the weighted sum gets the layers' tensors.
+MODES = ("bookkeeping", "two_pass", "auto")
+
+
+def held_bytes(calls):
+  """Bytes of the output gradients book-keeping holds at once, or None (a dynamic shape).
+
+  Four bytes per element of every probed tensor of every registered layer call
+  (each probe's gradient is held from the backward pass until the weighted sum).
+  An estimate of what book-keeping holds beyond a plain step, which frees each
+  of them once its layer's gradients are done.
+  """
+  total = 0
+  for c in calls:
+    for p in c.probes:
+      if not p.shape.is_fully_defined():
+        return None
+      total += 4 * p.shape.num_elements()
+  return total
+
+
+def _mib(n):
+  return f"{n / 2 ** 20:.0f} MiB"
+
+
+def nondeterministic_kernels() -> bool:
+  """Whether a GPU is visible while TensorFlow's op determinism is off.
+
+  Some GPU kernels (atomics in reductions, scatters, autotuned convolutions)
+  round differently from run to run; the two-pass engine's second pass must
+  recompute exactly the first pass's tensors (see :func:`_second_pass`).
+  TensorFlow's CPU kernels are deterministic.
+  """
+  if tf_config.is_op_determinism_enabled():
+    return False
+  return bool(tf.config.list_logical_devices("GPU"))
+
+
+def choose_mode(model, mode: str, held, budget: int, random_ops=()) -> str:
+  """``"bookkeeping"`` or ``"two_pass"`` for one traced batch (logged for ``"auto"``).
+
+  ``"auto"``: two passes when the output gradients book-keeping would hold
+  (``held`` bytes, :func:`held_bytes`) exceed ``budget`` (the keep budget), else
+  book-keeping; book-keeping when ``held`` is unknown (dynamic shapes), the
+  forward pass draws from stateful random ops (``random_ops``: a second pass
+  would draw other numbers) or the kernels may not be deterministic
+  (:func:`nondeterministic_kernels`).
+
+  Raises:
+    ValueError: ``mode="two_pass"`` on a forward pass with stateful random ops,
+      or with a GPU and op determinism off.
+  """
+  if mode == "bookkeeping":
+    return mode
+  if mode == "auto":
+    if held is None:
+      _log.info("per_example='auto' uses book-keeping for model '%s': the batch shape is not "
+                "static while tracing, so the memory it holds cannot be estimated.", model.name)
+      return "bookkeeping"
+    over = held > budget
+    _log.info(
+        "per_example='auto' uses %s for model '%s': book-keeping would hold %s of per-example "
+        "output gradients at this batch size, %s the budget of %s (keep_per_example_mib).",
+        "two passes (a second forward and backward pass, about a plain step's memory)"
+        if over else "book-keeping (one backward pass)",
+        model.name, _mib(held), "over" if over else "within", _mib(budget))
+    if not over:
+      return "bookkeeping"
+  why = None
+  if random_ops:
+    why = (f"its forward pass draws from stateful random ops ({', '.join(random_ops[:4])}), "
+           "so a second pass would not see the random numbers the first measured the norms "
+           "with. Draw randomness with Keras random layers or keras.random ops seeded by a "
+           "keras.random.SeedGenerator")
+  elif nondeterministic_kernels():
+    why = ("a GPU is visible and TensorFlow's op determinism is off: the second pass must "
+           "recompute exactly the tensors whose norms the first pass certified, and GPU "
+           "kernels may round differently from run to run. Call "
+           "tf.config.experimental.enable_op_determinism() first")
+  if why is None:
+    return "two_pass"
+  if mode == "two_pass":
+    raise ValueError(f"per_example='two_pass' cannot run model '{model.name}': {why}, or use "
+                     "per_example='layerwise'.")
+  _log.warning("per_example='auto' uses book-keeping (one backward pass, more memory) for "
+               "model '%s' after all: %s.", model.name, why)
+  return "bookkeeping"
+
+
+def _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first, decide=None):
+  """One forward pass with the rules' capture and one backward pass to the probes.
+
+  Returns:
+    ``(reps, losses, y_pred)``: ``{id(var): (var, representation)}`` of the
+    trainable variables (regrouped into microbatch units if asked).
+  ``first``: run the graph checks (variable uses, batch axis). ``decide(capture)``,
+  called after the forward pass, returns whether the random seeds advance
+  (False: a second pass follows that must draw the same numbers).
+  """
+  with tf.GradientTape(watch_accessed_variables=False) as tape:
+    with stateless.NoStateWrites(model) as no_writes:  # only the seed generators may advance
+      with CallCapture(cov.plans, tape) as capture, dropout_lib.PhiloxDropout(model):
+        y_pred = model(x, training=True)  # Dropout masks: Philox, drawn once (see dropout.py)
+      losses = loss_fn(y, y_pred)
+      if decide is not None:
+        no_writes.advance_seeds = decide(capture)
+    if first:
+      check_variable_uses(capture, cov.plans)
+    total = tf.reduce_sum(tf.cast(losses, tf.float32))
+    if num_microbatches:  # unit loss = mean over its B/m examples
+      total = total * (num_microbatches / tf.cast(batch, tf.float32))
+  probes = [p for c in capture.calls for p in c.probes]
+  grads = tape.gradient(total, probes, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  if first:
+    # Decided while tracing whenever the shapes are static (the guard traces every new batch
+    # shape on the host, tf_dpnsgd.guard.make_structure_check): XLA cannot drop a Python error.
+    checks = _batch_checks(capture.calls, batch_size_of(x))
+    with tf.control_dependencies(checks):  # before anything combines rows of different probes
+      grads = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
+  else:
+    grads = [tf.convert_to_tensor(g) for g in grads]
+  trainable_ids = {id(v) for v in model.trainable_variables}
+  reps = {k: e for k, e in representations(capture.calls, grads).items() if k in trainable_ids}
+  if num_microbatches:
+    reps = {k: (v, r.to_units(num_microbatches)) for k, (v, r) in reps.items()}
+  return reps, losses, y_pred
+
+
+def _forward_ops(capture):
+  graph = capture._graph
+  if graph is None or capture._last_op is None:
+    return []
+  return graph.get_operations()[capture._first_op:capture._last_op]
+
+
 @tf.autograph.experimental.do_not_convert
 def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
-                     registry=None, keep_bytes=None) -> EngineOutput:
-  """Transformed sum of per-unit gradients from one forward and one backward pass.
+                     registry=None, keep_bytes=None, mode="bookkeeping") -> EngineOutput:
+  """Transformed sum of per-unit gradients from each layer's inputs and output gradients.
 
   Args:
-    model: a Keras model (called once with ``training=True``).
+    model: a Keras model (called with ``training=True``, once, or twice in two passes).
     loss_fn: ``fn(y_true, y_pred) -> [B]`` per-example losses.
     x, y: the batch (nested structures allowed).
     transform: :class:`~tf_dpnsgd.transforms.Normalize` or ``Clip``.
@@ -367,9 +512,17 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
       loss's gradient).
     registry: the layer rules (default
       :data:`~tf_dpnsgd.per_example.registry.DEFAULT_REGISTRY`).
-    keep_bytes: budget for per-unit gradients kept from the norm pass to the
-      weighted sum (:func:`~tf_dpnsgd.per_example.factored.plan_keeping`;
-      default :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`).
+    keep_bytes: budget for per-unit tensors kept from the norm pass to the
+      weighted sum (default :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES`):
+      book-keeping's held output gradients (:func:`held_bytes`) first, then
+      per-unit weight gradients in what is left
+      (:func:`~tf_dpnsgd.per_example.factored.plan_keeping`).
+    mode: ``"bookkeeping"`` (one forward and one backward pass; holds every
+      layer's output gradient until all norms exist), ``"two_pass"`` (a first
+      pass computes the norms only, freeing each layer's tensors as it goes; a
+      second forward and backward pass computes each layer's weighted sum as
+      soon as its output gradient exists) or ``"auto"`` (two passes where the
+      held output gradients would exceed ``keep_bytes``; :func:`choose_mode`).
 
   Returns:
     :class:`EngineOutput`; ``summed`` is aligned with ``model.trainable_variables``.
@@ -377,58 +530,105 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
   Raises:
     UnsupportedLayerError: a trainable variable without a rule, or a
       registered layer used in a way its rule cannot represent.
+    ValueError: ``mode="two_pass"`` on a model whose traced forward pass draws
+      from stateful random ops.
   """
+  if mode not in MODES:
+    raise ValueError(f"`mode` must be one of {MODES}; got {mode!r}.")
   cov = check_coverage(model, registry)
   check_no_sparse_inputs(x, "per_example='layerwise'")
   check_mask_and_microbatches(mask, num_microbatches)
-  batch = static_batch = batch_size_of(x)  # static_batch: known when the shapes are
+  batch = batch_size_of(x)
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
     batch = tf.identity(batch)
+  budget = factored.KEEP_BYTES if keep_bytes is None else int(keep_bytes)
+  plan = {}
 
-  with tf.GradientTape(watch_accessed_variables=False) as tape:
-    with stateless.NoStateWrites(model):  # only the seed generators may advance
-      with CallCapture(cov.plans, tape) as capture, dropout_lib.PhiloxDropout(model):
-        y_pred = model(x, training=True)  # Dropout masks: Philox, drawn once (see dropout.py)
-      losses = loss_fn(y, y_pred)
-    check_variable_uses(capture, cov.plans)
-    total = tf.reduce_sum(tf.cast(losses, tf.float32))
-    if num_microbatches:  # unit loss = mean over its B/m examples
-      total = total * (num_microbatches / tf.cast(batch, tf.float32))
-  probes = [p for c in capture.calls for p in c.probes]
-  grads = tape.gradient(total, probes, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  # Decided while tracing whenever the shapes are static (the guard traces every new batch
-  # shape on the host, tf_dpnsgd.guard.make_structure_check): XLA cannot drop a Python error.
-  checks = _batch_checks(capture.calls, static_batch)
-  with tf.control_dependencies(checks):  # before anything combines rows of different probes
-    grads = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
+  def decide(capture):
+    held = held_bytes(capture.calls)
+    random_ops = stateless.stateful_random_ops(_forward_ops(capture)) if mode != "bookkeeping" \
+        else []
+    plan["mode"] = choose_mode(model, mode, held, budget, random_ops)
+    plan["keep"] = 0 if plan["mode"] == "two_pass" else max(0, budget - (held or 0))
+    return plan["mode"] == "bookkeeping"  # the seeds advance after the last pass
 
-  variables = model.trainable_variables
-  trainable_ids = {id(v) for v in variables}
-  reps = {k: e for k, e in representations(capture.calls, grads).items() if k in trainable_ids}
-  if num_microbatches:
-    reps = {k: (v, r.to_units(num_microbatches)) for k, (v, r) in reps.items()}
-
+  reps, losses, y_pred = _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches,
+                                       first=True, decide=decide)
   if reps:
     # Per-unit gradients kept for the weighted sum (saves its T p q products), within a budget.
-    factored.plan_keeping([r for _, r in reps.values()],
-                          factored.KEEP_BYTES if keep_bytes is None else keep_bytes)
+    factored.plan_keeping([r for _, r in reps.values()], plan["keep"])
     parts = []
     for v, r in reps.values():
       with tf.name_scope("norm_" + _var_scope(v)):
         parts.append(r.squared_norms())  # float64 upper bounds, never clamped
   else:  # nothing trainable was used: every gradient is 0
-    units = num_microbatches or batch
-    parts = [tf.zeros([units], tf.float64)]
+    parts = [tf.zeros([num_microbatches or batch], tf.float64)]
   # Summed and square-rooted in float64, rounded up to float32: never below the true norm.
   norms = factored.upper_norms(parts)
   factors = transform.factors(norms, mask)
+  if plan["mode"] == "two_pass":
+    sums = _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, reps, factors)
+  else:
+    sums = {}
+    for k, (v, r) in reps.items():
+      with tf.name_scope("sum_" + _var_scope(v)):
+        sums[k] = r.weighted_sum(factors)
   summed = []
-  for v in variables:
-    entry = reps.get(id(v))
-    if entry is None:  # in a registered layer that was not called: gradient 0
+  for v in model.trainable_variables:
+    if id(v) not in sums:  # in a registered layer that was not called: gradient 0
       summed.append(tf.zeros(v.shape, v.dtype))
     else:
-      with tf.name_scope("sum_" + _var_scope(v)):
-        summed.append(tf.cast(tf.reshape(entry[1].weighted_sum(factors), v.shape), v.dtype))
+      summed.append(tf.cast(tf.reshape(sums[id(v)], v.shape), v.dtype))
   return EngineOutput(summed=summed, norms=norms, factors=factors,
                       losses=tf.reshape(tf.cast(losses, tf.float32), [-1]), y_pred=y_pred)
+
+
+def _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first_reps, factors):
+  """``{id(var): sum_u factors[u] g_u}`` from a second forward and backward pass.
+
+  The second pass recomputes the first's tensors (same weights, inputs and
+  random numbers: the seeds advance only after it) and each variable's
+  weighted sum is built from its layer's input and output gradient as soon as
+  those exist, so the executor frees them as a plain backward pass does. Units
+  the first pass recomputed in float64 (ill-conditioned) are added from the
+  first pass's float64 gradients, exactly as book-keeping adds them
+  (:func:`~tf_dpnsgd.per_example.factored.sum_with_recomputed`).
+
+  Why not ``d/dw sum_i stop_gradient(h_i) loss_i``: that backward pass scales
+  every example's output gradients by ``h_i``, which changes their rounding;
+  where an example's gradient cancels inside the network (residual branches,
+  shared layers), its float32 gradient can then differ from the one whose norm
+  was certified by more than the transform's safety margin. Scaling only the
+  last step (``a^T (h * b)`` per layer, as book-keeping) keeps every tensor the
+  norm saw. Deterministic kernels recompute them bit for bit (TensorFlow's CPU
+  kernels; XLA on CPU was bit-identical in our checks; a GPU needs
+  ``tf.config.experimental.enable_op_determinism()``, else :func:`choose_mode`
+  refuses two passes), so each contribution's norm is bounded exactly as in
+  book-keeping.
+  """
+  recomputed = {k: r._recomputed for k, (_, r) in first_reps.items()}
+  first_reps.clear()  # eager mode: the first pass's tensors can go
+  # After every norm: otherwise the executor may run the second forward pass beside the
+  # first one's backward pass, holding both passes' activations.
+  with tf.control_dependencies([factors]):
+    reps, _, _ = _capture_pass(model, loss_fn, tf.nest.map_structure(tf.identity, x), y, cov,
+                               batch, num_microbatches, first=False)
+  sums = {}
+  for k, (v, r) in reps.items():
+    with tf.name_scope("sum_" + _var_scope(v)):
+      sums[k] = factored.sum_with_recomputed(r.raw_weighted_sum, recomputed.get(k), factors)
+  return sums
+
+
+@tf.autograph.experimental.do_not_convert
+def two_pass_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
+                    registry=None, keep_bytes=None) -> EngineOutput:
+  """:func:`layerwise_engine` with ``mode="two_pass"``: plain-step memory, a second pass.
+
+  ``per_example="two_pass"``. Norms from a first forward and backward pass
+  (ghost or materialised per layer, certified as in book-keeping, nothing kept),
+  then ``sum_u h_u g_u`` from a second pass (see :func:`_second_pass`).
+  """
+  return layerwise_engine(model, loss_fn, x, y, transform, mask=mask,
+                          num_microbatches=num_microbatches, registry=registry,
+                          keep_bytes=keep_bytes, mode="two_pass")

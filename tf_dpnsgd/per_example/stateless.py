@@ -140,6 +140,40 @@ def resource_writes(operations, graph=None) -> list:
     in :data:`READ_ONLY_RESOURCE_OPS`. A called function that cannot be found
     is listed too (it cannot be checked).
   """
+  return _scan(operations, graph, _writes_resource)
+
+
+STATEFUL_RANDOM_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "RandomShuffle", "Multinomial"})
+"""TensorFlow's random ops that draw from a hidden per-op state (``tf.random.uniform`` with
+no seed or an op seed): a second run of the same graph draws other numbers."""
+
+
+def stateful_random_ops(operations, graph=None) -> list:
+  """Ops among ``operations`` (and the functions they call) in :data:`STATEFUL_RANDOM_OPS`.
+
+  The two-pass engine (:mod:`tf_dpnsgd.per_example.layerwise`) runs the forward
+  pass twice and needs the same random numbers both times; Keras' random
+  layers and ``keras.random`` ops draw statelessly from a ``SeedGenerator``
+  (mapped by :class:`NoStateWrites`, so both passes draw the same numbers),
+  these ops do not.
+  """
+  def is_random(op_type):
+    if op_def_registry.get(op_type) is None:
+      return None
+    return op_type in STATEFUL_RANDOM_OPS
+
+  return _scan(operations, graph, is_random)
+
+
+def _scan(operations, graph, flagged) -> list:
+  """Ops (also inside called functions) for which ``flagged(op_type)`` is True.
+
+  ``flagged`` returns None for a type that is not an op (a call of a function by
+  its name, which is then scanned too).
+  """
   operations = list(operations)
   if not operations:
     return []
@@ -147,10 +181,10 @@ def resource_writes(operations, graph=None) -> list:
   found, seen = [], set()
   pending = []
   for op in operations:
-    writes = _writes_resource(op.type)
-    if writes is None:
+    hit = flagged(op.type)
+    if hit is None:
       pending.append(op.type)
-    elif writes:
+    elif hit:
       found.append(f"{op.type} '{op.name}'")
     pending.extend(_called_functions(op.node_def.attr))
   while pending:
@@ -163,10 +197,10 @@ def resource_writes(operations, graph=None) -> list:
       found.append(f"function '{name}' (not found, cannot be checked)")
       continue
     for node in fdef.node_def:
-      writes = _writes_resource(node.op)
-      if writes is None:
+      hit = flagged(node.op)
+      if hit is None:
         pending.append(node.op)
-      elif writes:
+      elif hit:
         found.append(f"{node.op} '{node.name}' in function '{name}'")
       pending.extend(_called_functions(node.attr))
   return found
@@ -212,14 +246,16 @@ class NoStateWrites:
     map_seeds: False when an inner scope (the vectorized engine's per-unit
       random state) maps and advances the seeds itself; then only raw writes
       are checked here.
-    advance_seeds: False for a pass that must change nothing (a probe): the
-      seeds are mapped but not advanced.
+    advance_seeds: False for a pass that must change nothing (a probe, or the
+      first of the two-pass engine's passes, whose second pass must draw the
+      same numbers): the seeds are mapped but not advanced. An attribute of
+      the same name may be changed until the context exits.
   """
 
   def __init__(self, model, map_seeds: bool = True, advance_seeds: bool = True):
     self._model = model
     self._generators = random_state(model) if map_seeds else []
-    self._advance = advance_seeds
+    self.advance_seeds = advance_seeds
     self._scope = None
     self._graph = None
     self._first = 0
@@ -241,7 +277,7 @@ class NoStateWrites:
       raw = resource_writes(self._graph.get_operations()[self._first:], self._graph)
     states = [g.state for g in self._generators]
     refuse_state_writes(self._model, self._scope.assigned, raw, allowed=states)
-    for state in states if self._advance else ():
+    for state in states if self.advance_seeds else ():
       if any(state is v for v in self._scope.assigned):
         state.assign(self._scope.get_current_value(state))  # advance the random stream
     return False
