@@ -11,7 +11,10 @@ of MiniLM-L6 size (6 layers, hidden 384, 12 heads, intermediate 1536, sequence
 ``benchmarks/per_example_engines.py``), each compiled with ``jit_compile``
 False and True; on request (``--models=scatter_cnn,scatter_cnn_2views``) Tramer
 and Boneh's CNN on CIFAR-10 scattering features at batch 512, on one view or
-on two views with shared weights (loss = mean over views). The DP model is ``tf_dpnsgd.make_private(per_example=
+on two views with shared weights (loss = mean over views); and
+(``--models=bert_lora``) LoRA fine-tuning of a small BERT (4 layers, hidden
+256, sequence 64, ``backbone.enable_lora(8)``) at batch 32, a plain LoRA step
+against a DP LoRA step. The DP model is ``tf_dpnsgd.make_private(per_example=
 "layerwise")`` with DPNSGD (noise multiplier 1). BERT runs twice per
 ``jit_compile`` value: with the engine's default budget for kept per-example
 gradients and with ``keep_per_example_mib=0`` (``--keep_mib``), the
@@ -46,7 +49,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512}
+BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512,
+           "bert_lora": 32}
 
 
 def _models(model_name, jit, keep_mib=None):

@@ -85,6 +85,28 @@ def build(name):
          "padding_mask": np.ones((batch, seq), "int32")}
     y = rng.integers(0, 2, size=(batch,)).astype("int32")
     return make, x, y, batch
+  if name == "bert_lora":
+    # LoRA fine-tuning (issue 32): a small BERT (4 layers, hidden 256, 4 heads), sequence 64,
+    # backbone.enable_lora(8): only the query/value LoRA factors, their biases and the
+    # classifier head are trainable, in the plain model as in the DP one.
+    import keras_hub
+
+    batch, seq, vocab = 32, 64, 30522
+
+    def make():
+      backbone = keras_hub.models.BertBackbone(
+          vocabulary_size=vocab, num_layers=4, num_heads=4, hidden_dim=256,
+          intermediate_dim=1024, max_sequence_length=seq)
+      model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2,
+                                                  preprocessor=None)
+      backbone.enable_lora(8)
+      return model
+
+    x = {"token_ids": rng.integers(0, vocab, size=(batch, seq)).astype("int32"),
+         "segment_ids": np.zeros((batch, seq), "int32"),
+         "padding_mask": np.ones((batch, seq), "int32")}
+    y = rng.integers(0, 2, size=(batch,)).astype("int32")
+    return make, x, y, batch
   if name in ("scatter_cnn", "scatter_cnn_2views"):
     # Tramer and Boneh's CNN on CIFAR-10 scattering features ([8, 8, 243], random here),
     # the physical batch of configs/cifar10/scatter_cnn_*.flags; 2 views: the head on each
