@@ -232,7 +232,10 @@ def bias_layout(output_shape, bias_shape) -> list[int]:
   applied to an index-valued bias, eagerly, on a one-example output.
 
   Args:
-    output_shape: static non-batch output shape.
+    output_shape: non-batch output shape; an unknown dimension (a sequence
+      cut to its batch's length) never matches a bias dimension in Keras'
+      trace-time choice, so it is read as a size larger than every bias
+      dimension (the bias cannot vary along it).
     bias_shape: the bias variable's shape.
 
   Returns:
@@ -243,7 +246,8 @@ def bias_layout(output_shape, bias_shape) -> list[int]:
     UnsupportedLayerError: if the addition is not an axis-aligned broadcast
       in the bias's own element order.
   """
-  output_shape = [int(d) for d in output_shape]
+  unknown = max([int(d) for d in bias_shape] + [1]) + 2
+  output_shape = [unknown if d is None else int(d) for d in output_shape]
   size = int(np.prod(bias_shape)) if len(bias_shape) else 1
   with tf.init_scope():
     index = np.arange(size, dtype="float32").reshape(bias_shape)
