@@ -99,29 +99,32 @@ def _private_lineage_record(lineage_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, lineage_dir):
-  """Per kind: the files of every save path after one private fit, and what ran."""
-  os.environ["TF_DPNSGD_LINEAGE_DIR"] = lineage_dir
-  out = {}
-  x, y = _data()
-  for kind in KINDS:
-    keras.utils.set_random_seed(1)
-    folder = tmp_path_factory.mktemp(kind)
-    base = _build(kind)
-    model = _private(base)
-    model.fit(x, y, verbose=0)
-    ledger = ledger_lib.ledger_of(model)
-    files = {"keras_file": str(folder / "m.keras"),
-             "weights_file": str(folder / "m.weights.h5"),
-             "tf_checkpoint": str(folder / "ckpt"),
-             "base_keras_file": str(folder / "base.keras")}
-    model.save(files["keras_file"])
-    model.save_weights(files["weights_file"])
-    files["tf_checkpoint"] = tf.train.Checkpoint(model=model).write(files["tf_checkpoint"])
-    base.save(files["base_keras_file"])
-    out[kind] = dict(files=files, steps=ledger.steps, lineage=ledger.lineage,
-                     sigma=model.privacy_plan.training_noise_multiplier,
-                     epsilon=model.privacy_report().epsilon)
-  return out
+  """``trained(kind)``: the files of every save path after one private fit of that kind,
+  and what ran (trained once per kind, on first use: the quick tier trains one kind)."""
+  cache = {}
+
+  def get(kind):
+    if kind not in cache:
+      os.environ["TF_DPNSGD_LINEAGE_DIR"] = lineage_dir
+      keras.utils.set_random_seed(1)
+      folder = tmp_path_factory.mktemp(kind)
+      base = _build(kind)
+      model = _private(base)
+      model.fit(*_data(), verbose=0)
+      ledger = ledger_lib.ledger_of(model)
+      files = {"keras_file": str(folder / "m.keras"),
+               "weights_file": str(folder / "m.weights.h5"),
+               "base_keras_file": str(folder / "base.keras")}
+      model.save(files["keras_file"])
+      model.save_weights(files["weights_file"])
+      files["tf_checkpoint"] = tf.train.Checkpoint(model=model).write(str(folder / "ckpt"))
+      base.save(files["base_keras_file"])
+      cache[kind] = dict(files=files, steps=ledger.steps, lineage=ledger.lineage,
+                         sigma=model.privacy_plan.training_noise_multiplier,
+                         epsilon=model.privacy_report().epsilon)
+    return cache[kind]
+
+  return get
 
 
 def _load(path, kind, files):
@@ -149,10 +152,15 @@ def _continue_fit(model):
   return after
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", KINDS)
+# The README's own case (Sequential + .keras) runs in the quick tier; the rest of the matrix
+# in the full suite (each case loads, recompiles and fits: seconds each).
+MATRIX = [pytest.param(kind, path, marks=() if (kind, path) == ("sequential", "keras_file")
+                       else pytest.mark.slow) for kind in KINDS for path in PATHS]
+
+
+@pytest.mark.parametrize("kind,path", MATRIX)
 def test_every_kind_and_save_path_keeps_the_ledger(trained, kind, path):
-  run = trained[kind]
+  run = trained(kind)
   assert run["steps"] > 0
   # The trained model's own report against the independent oracle.
   assert run["epsilon"] == pytest.approx(_oracle_epsilon(run["steps"], run["sigma"]), rel=1e-6)
@@ -195,7 +203,8 @@ def test_backup_and_restore_after_an_interrupted_fit_counts_every_step(tmp_path,
       _oracle_epsilon(ledger.steps, plan.training_noise_multiplier), rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k == "sequential" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in KINDS])
 def test_load_weights_without_a_ledger_is_a_named_warm_start(tmp_path, kind):
   """A plain model's weights file (e.g. non-private training on the same data) is not
   private: the report names the file in not_covered."""
@@ -210,6 +219,7 @@ def test_load_weights_without_a_ledger_is_a_named_warm_start(tmp_path, kind):
       not_covered
 
 
+@pytest.mark.slow
 def test_a_private_wrapper_of_an_unbuilt_subclassed_model_trains_and_round_trips(tmp_path):
   model = _private(TinySubclassed())  # not built: the engine is chosen at the first batch
   model.fit(*_data(), verbose=0)
