@@ -72,7 +72,7 @@ def make_strategy(name: str = "none", tpu: Optional[str] = None):
 def build(build_model: Callable[[], keras.Model], optimizer, *, loss,
           metrics: Sequence = (), private: bool = True, plan=None, own_plan: bool = False,
           strategy=None, per_example: str = "auto",
-          physical_batch_size: Optional[int] = None) -> tuple:
+          physical_batch_size: Optional[int] = None, length_key: Optional[str] = None) -> tuple:
   """Builds and compiles ``build_model()`` under ``strategy``; returns ``(base, model)``.
 
   Args:
@@ -85,7 +85,7 @@ def build(build_model: Callable[[], keras.Model], optimizer, *, loss,
       optimizer must add its noise (checked here).
     own_plan: the model owns ``plan`` (``make_private(base, plan=plan)``): plain ``fit``.
     strategy: a ``tf.distribute`` strategy (default: the current one).
-    per_example, physical_batch_size: as :func:`tf_dpnsgd.make_private`.
+    per_example, physical_batch_size, length_key: as :func:`tf_dpnsgd.make_private`.
 
   Raises:
     ValueError: the optimizer's noise is not the plan's.
@@ -97,7 +97,8 @@ def build(build_model: Callable[[], keras.Model], optimizer, *, loss,
     if private:
       owned = {"plan": plan} if own_plan else {}
       model = training.make_private(base, per_example=per_example,
-                                    physical_batch_size=physical_batch_size, **owned)
+                                    physical_batch_size=physical_batch_size,
+                                    length_key=length_key, **owned)
     if plan is not None:
       plan.check_optimizer(optimizer)  # before compile (an owned plan checks it there too)
     model.compile(optimizer=optimizer, loss=loss, metrics=list(metrics))

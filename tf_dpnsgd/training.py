@@ -286,11 +286,18 @@ class _DPTrainer:
   """Mixin holding the DP train step; used by :class:`DPModel` and the wrapper."""
 
   _dp_keys = ("per_example", "physical_batch_size", "num_microbatches",
-              "trust_untagged_batches", "public_state", "privacy_plan", "keep_per_example_mib")
+              "trust_untagged_batches", "public_state", "privacy_plan", "keep_per_example_mib",
+              "length_key")
 
   def _set_dp_options(self, per_example="auto", physical_batch_size=None, num_microbatches=None,
                       trust_untagged_batches=False, public_state=(), privacy_ledger=None,
-                      privacy_plan=None, keep_per_example_mib=None):
+                      privacy_plan=None, keep_per_example_mib=None, length_key=None):
+    if length_key is not None and (not isinstance(length_key, str) or physical_batch_size is None):
+      raise ValueError(
+          f"`length_key` ({length_key!r}) names the padding mask in dict inputs (e.g. "
+          "'padding_mask') and needs physical_batch_size: each physical chunk is cut to its "
+          "own longest row (tf_dpnsgd.step.contributions).")
+    self._dp_length_key = length_key
     if num_microbatches is not None and (
         isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
         or num_microbatches < 1):
@@ -442,7 +449,8 @@ class _DPTrainer:
             "trust_untagged_batches": self._dp_trust_untagged,
             "public_state": list(self._dp_public_state),
             "privacy_plan": owned_plan_lib.plan_config(self._dp_plan or self._dp_owned_plan),
-            "keep_per_example_mib": self._dp_keep_mib}
+            "keep_per_example_mib": self._dp_keep_mib,
+            "length_key": self._dp_length_key}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
@@ -762,11 +770,11 @@ class DPModel(_DPTrainer, keras.Model):
 
   def __init__(self, *args, per_example="auto", physical_batch_size=None, num_microbatches=None,
                trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
-               keep_per_example_mib=None, **kwargs):
+               keep_per_example_mib=None, length_key=None, **kwargs):
     super().__init__(*args, **kwargs)
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
                          trust_untagged_batches, public_state, privacy_ledger,
-                         privacy_plan, keep_per_example_mib)
+                         privacy_plan, keep_per_example_mib, length_key)
 
   def get_config(self):
     config = super().get_config()
@@ -788,14 +796,14 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
 
   def __init__(self, model, per_example="auto", physical_batch_size=None, num_microbatches=None,
                trust_untagged_batches=False, public_state=(), privacy_ledger=None, privacy_plan=None,
-               keep_per_example_mib=None, **kwargs):
+               keep_per_example_mib=None, length_key=None, **kwargs):
     super().__init__(**kwargs)
     self.model = model
     if model.built:  # no weights of its own: built when the model it wraps is
       self.built = True
     self._set_dp_options(per_example, physical_batch_size, num_microbatches,
                          trust_untagged_batches, public_state, privacy_ledger,
-                         privacy_plan, keep_per_example_mib)
+                         privacy_plan, keep_per_example_mib, length_key)
 
   def call(self, inputs, training=None):
     return self.model(inputs, training=training)
@@ -839,7 +847,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  num_microbatches=None, trust_untagged_batches=False, public_state=(), *,
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
                  epochs=None, steps=None, sampling=None, accountant=None,
-                 dataset_size=None, plan=None, keep_per_example_mib=None) -> keras.Model:
+                 dataset_size=None, plan=None, keep_per_example_mib=None,
+                 length_key=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -874,8 +883,14 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       epoch" as not covered.
     public_state: names of layers whose data-derived state (e.g. an adapted
       ``Normalization``) the user declares public; listed by the report.
-    keep_per_example_mib: the layer-wise engine's memory for kept per-example
-      gradients (see :class:`DPModel`).
+    keep_per_example_mib: the layer-wise engine's memory budget for held
+      per-example tensors, which also decides ``"auto"``'s book-keeping or
+      two passes (see :class:`DPModel`).
+    length_key: text batches at their real length: the key of the padding mask
+      in dict inputs (e.g. ``"padding_mask"`` of keras-hub encoders); with
+      ``physical_batch_size``, each chunk is cut to its own longest row (the
+      sum, the noise and the ledger are the logical batch's; exact when the
+      model masks its padding: ``docs/per_example.md``).
     target_epsilon / noise_multiplier, delta, batch_size, epochs / steps,
       sampling, accountant, dataset_size: the privacy plan the model owns
       (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``sampling``
@@ -905,7 +920,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
                  num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
                  public_state=public_state, privacy_ledger=ledger, privacy_plan=owned,
-                 keep_per_example_mib=keep_per_example_mib)
+                 keep_per_example_mib=keep_per_example_mib, length_key=length_key)
   if inputs is not None and outputs is not None:
     return DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
   logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)

@@ -480,7 +480,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
                    train: tuple, test: tuple, loss, export_fn=None, metrics=("accuracy",),
                    augment_fn=None, extra_report: Optional[dict] = None,
                    print_fn: Optional[Callable[[int, dict], Any]] = None,
-                   after_training: Optional[Callable] = None, not_covered=()) -> dict:
+                   after_training: Optional[Callable] = None, not_covered=(),
+                   length_key: Optional[str] = None) -> dict:
   """Trains ``build_model()`` on ``train`` with DP (or SGD), evaluates on ``test``.
 
   A private run on the default strategy takes the one-call path: the model owns
@@ -544,7 +545,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   base, model = runner.build(build_model, optimizer, loss=loss, metrics=metrics,
                              private=cfg.private, plan=plan, own_plan=own_plan,
                              strategy=strategy, per_example=cfg.per_example,
-                             physical_batch_size=cfg.physical_batch_size)
+                             physical_batch_size=cfg.physical_batch_size,
+                             length_key=length_key if cfg.physical_batch_size else None)
 
   history, ckpt, hist_path = {}, None, None
   start_step = 0

@@ -45,6 +45,10 @@ flags.DEFINE_integer("max_train_examples", None, "Use only the first N training 
 canary_audit.define_flags()
 
 
+flags.DEFINE_bool("bucket_by_length", True,
+                  "Cut each physical chunk (--physical_batch_size) of a logical batch to its own "
+                  "longest sentence (rows ordered by length after the batch is drawn): the same "
+                  "sum, noise and epsilon, less padding (docs/per_example.md).")
 # `--help` lists the shared flags a run needs (target_epsilon, epochs, ...), not only ours.
 flags.adopt_module_key_flags(common)
 flags.adopt_module_key_flags(canary_audit)
@@ -86,6 +90,8 @@ def main(argv):
       (x_train, common.as_numpy_labels(train_y)), (x_dev, common.as_numpy_labels(dev_y)),
       num_classes=2,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), export_fn=export_fn,
+      length_key=("padding_mask" if FLAGS.bucket_by_length and "padding_mask" in x_train
+                  else None),
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings,
                     "sequence_length": FLAGS.sequence_length})

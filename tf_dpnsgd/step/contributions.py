@@ -89,6 +89,8 @@ def contributions(model, x, y, mask, num_microbatches, transform, length_key=Non
   """
   engine = model._dp_engine
   size = model.physical_batch_size
+  if length_key is None:
+    length_key = getattr(model, "_dp_length_key", None)
   if size is None:
     return loss_scale_lib.scaled_contributions(engine, model, model._dp_loss_fn, x, y,
                                                transform, model.loss_scale, mask=mask,
