@@ -119,10 +119,16 @@ def test_the_attacks_break_the_replace_one_bound_when_they_run(attack):
   assert np.linalg.norm(moved[0] - moved[1]) > 3.9
 
 
-def test_the_batch_level_hook_is_gone():
-  private, _ = model()
+@pytest.mark.parametrize("attack", [followed_by_augmented_copy, mixup])
+def test_the_batch_level_hook_is_gone(attack):
+  private, head = model()
+  before = head.get_weights()[0].copy()
   with pytest.raises(TypeError, match="augment="):
-    plan().dataset(*data(), model=private, transform=lambda ds, replica: ds)
+    stream = plan().dataset(*data(), model=private,
+                            transform=lambda ds, replica: ds.map(attack))
+    private.fit(stream, steps_per_epoch=1, epochs=1, verbose=0)
+  assert private.privacy_ledger.steps == 0
+  np.testing.assert_array_equal(head.get_weights()[0], before)
   with pytest.raises(TypeError, match="unexpected"):
     plan().dataset(*data(), model=private, trnasform=None)
 
@@ -267,6 +273,10 @@ def test_row_digest_is_per_row_and_sees_every_change():
   zeros[1, 0] = -0.0
   dz = rows_lib.row_digests(zeros).numpy()
   assert dz[0] != dz[1]
+  # The guard's XLA-compiled digest (large leaves) gives the same values as the pipeline's.
+  big = (rng.normal(size=(4, 128, 128, 1)).astype(np.float32), y[:4])
+  np.testing.assert_array_equal(rows_lib.row_digests(big, xla=True).numpy(),
+                                rows_lib.row_digests(big).numpy())
 
 
 def test_row_digest_of_ragged_and_string_rows_and_what_it_refuses():
@@ -297,3 +307,24 @@ def test_row_problems_count_only_real_rows():
   with pytest.raises(LedgerMismatchError, match="repeating an example"):
     rows_lib.check_rows(rows_lib.RowCheck(duplicated=1), offset=1)
   rows_lib.check_rows(rows_lib.RowCheck())
+
+
+@pytest.mark.slow  # imports the launcher (its models)
+def test_cifar10_launcher_augmentations_are_per_example():
+  """The launcher's augment functions through the sampler: float32 rows, each a crop and flip
+  of its own example only (oracle: example i's pixels are the values 10 i + 1 ... 10 i + 9, so
+  a row's nonzero values name the examples it came from)."""
+  from tf_dpnsgd.launch import cifar10 as launcher  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  images = np.stack([rng.integers(10 * i + 1, 10 * i + 10, size=(8, 8, 3))
+                     for i in range(N)]).astype(np.uint8)
+  y = np.zeros(N, np.int32)
+  sampler = tf_dpnsgd.sampling.UniformSampler(N, 4, seed=1)
+  for fn in (launcher.pixels_to_float, launcher.crop_flip_to_float):
+    xb, _, tags = next(iter(sampler.dataset(images, y, augment=fn)))
+    assert xb.dtype == tf.float32 and xb.shape == (4, 8, 8, 3)
+    for row, i in zip(xb.numpy(), tags["dp_example"].numpy()):
+      values = set(np.unique(row)) - {0.0}
+      assert values and values <= set(images[i].astype(np.float32).ravel()), fn.__name__
+      if fn is launcher.pixels_to_float:
+        np.testing.assert_array_equal(row, images[i])

@@ -85,8 +85,10 @@ def _dense_digest(t: tf.Tensor) -> tf.Tensor:
 
 
 # The same function compiled with XLA (one fused pass; exact integer arithmetic, so the same
-# bits): the guard's reader uses it for dense numeric leaves.
+# bits), for dense numeric leaves of at least _XLA_MIN_ELEMENTS elements (or of unknown size):
+# below that, compiling for each new shape costs more than it saves.
 _dense_digest_xla = tf.function(_dense_digest, jit_compile=True, reduce_retracing=True)
+_XLA_MIN_ELEMENTS = 1 << 16
 
 
 def _ragged_digest(rt: tf.RaggedTensor) -> tf.Tensor:
@@ -113,7 +115,8 @@ def _leaf_digest(leaf, xla: bool) -> tf.Tensor:
   leaf = tf.convert_to_tensor(leaf)
   if leaf.shape.rank == 0:
     raise TypeError("tf_dpnsgd: a batch leaf is a scalar; every leaf needs one row per example.")
-  if xla and leaf.dtype != tf.string:
+  size = leaf.shape.num_elements()
+  if xla and leaf.dtype != tf.string and (size is None or size >= _XLA_MIN_ELEMENTS):
     _words(leaf[:0])  # an unsupported dtype raises here, not inside XLA
     return _dense_digest_xla(leaf)
   return _dense_digest(leaf)
@@ -126,8 +129,8 @@ def row_digests(structure, xla: bool = False) -> tf.Tensor:
   (e.g. ``(x, y)`` with ``x`` a dict), each with the rows on axis 0. Row ``r``'s
   digest depends only on row ``r`` of every leaf (in ``tf.nest`` order), never
   on the other rows nor on the row's position in the batch. ``xla``: digest
-  dense numeric leaves in an XLA-compiled function (about 3x faster on a CPU;
-  the same values).
+  large dense numeric leaves in an XLA-compiled function (about 3x faster on
+  a CPU; the same values).
 
   Edge cases: every bit of a float counts (``-0.0``, NaN payloads); the same
   values in another dtype digest differently only if their bits differ (an

@@ -18,6 +18,13 @@ weights (:func:`multi_view`), giving logits ``[batch, V, classes]``;
 :func:`view_mean_loss` averages the per-view losses of one example;
 prediction averages the views' logits (:class:`ViewMeanAccuracy`,
 :func:`on_raw_pixels`, which is also what the exported model computes).
+
+Random views from the sampler (:mod:`tf_dpnsgd.augmentation`): with
+``plan.dataset(x, y, model=model, augment=fn, multiplicity=K)`` every batch
+holds ``K`` augmentations of each example on axis 1, drawn fresh each step.
+The model is built the same way: ``make_private(multi_view(head, K))``
+compiled with ``loss=view_mean_loss()`` and ``metrics=[ViewMeanAccuracy()]``;
+evaluate and export ``head``, which holds the weights, on plain inputs.
 """
 
 from __future__ import annotations
