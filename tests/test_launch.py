@@ -299,6 +299,7 @@ def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd)
   from absl import logging as absl_logging
   from tf_dpnsgd import export
   from tf_dpnsgd.launch import common
+  from tf_dpnsgd.launch import logs
 
   seen = {}
   make_plan, make_optimizer = common.make_plan, common.make_optimizer
@@ -325,7 +326,7 @@ def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd)
   common.run_experiment(cfg, build, (x, y), (x[:16], y[:16]),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                         export_fn=lambda m, d: export.export_image_classifier(m, d, None, None),
-                        print_fn=common.print_epoch)
+                        print_fn=logs.print_epoch)
   plan, optimizer = seen["plan"], seen["optimizer"]
   secrets = {"sampler": plan.seed}
   key = getattr(optimizer, "_noise_key", None)

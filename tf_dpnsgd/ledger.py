@@ -1,6 +1,6 @@
 """The privacy ledger: what the DP train step actually executed, bound to the weights.
 
-This module is long (about 500 lines, a third of it docstrings): the ledger's
+This module is long (about 690 lines, a third of it docstrings): the ledger's
 entries, its save hooks, its forward-only restore rule and its host checks are one
 unit of state and must be read together.
 

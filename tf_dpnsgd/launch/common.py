@@ -55,6 +55,7 @@ from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import runner
 from tf_dpnsgd import schedules
+from tf_dpnsgd.launch import logs
 from tf_dpnsgd.launch import resume
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.records import RunRecord
@@ -395,25 +396,6 @@ def config_from_flags(flag_values: Optional[flags.FlagValues] = None) -> Experim
     raise LaunchError(str(e)) from None
 
 
-def quiet_tensorflow_info() -> None:
-  """TensorFlow's own INFO lines (``Sharding callback duration``, ``Assets written to``,
-  signature-name notices while exporting) go to WARNING and above; the launchers' and
-  tf_dpnsgd's INFO lines (the plan, the engine chosen) stay."""
-  import logging as py_logging
-
-  from absl import logging as absl_logging
-
-  def keep(record) -> bool:
-    path = record.pathname.replace(os.sep, "/")
-    return record.levelno >= py_logging.WARNING or not any(
-        f"/{package}/" in path for package in ("tensorflow", "tf_keras", "keras"))
-
-  py_logging.getLogger("tensorflow").setLevel(py_logging.WARNING)  # its own stream handler
-  for handler in {absl_logging.get_absl_handler(), *py_logging.getLogger().handlers}:
-    if not any(getattr(f, "__name__", "") == keep.__name__ for f in handler.filters):
-      handler.addFilter(keep)
-
-
 def main_with_usage_errors(main: Callable) -> Callable:
   """Wraps a launcher's ``main``: a :class:`LaunchError` (or an existing export
   directory) exits with status 1 and one ``FATAL`` line on stderr, no traceback."""
@@ -421,7 +403,7 @@ def main_with_usage_errors(main: Callable) -> Callable:
 
   @functools.wraps(main)
   def wrapped(argv):
-    quiet_tensorflow_info()
+    logs.quiet_tensorflow_info()
     try:
       return main(argv)
     except (LaunchError, FileExistsError) as e:
@@ -607,15 +589,6 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
     export_lib.write_privacy_report(os.path.join(cfg.export_dir, "privacy_report.json"),
                                     **record.to_dict())
   return record
-
-
-def print_epoch(epoch: int, logs: dict) -> None:
-  """One line per epoch: loss, train/test accuracy and epsilon spent."""
-  eps = logs.get("epsilon")
-  eps_text = f"epsilon {eps:6.3f}" if eps is not None else "non-private"
-  print(f"epoch {epoch:3d}  loss {logs.get('loss', float('nan')):.4f}  "
-        f"train acc {logs.get('accuracy', float('nan')):.4f}  "
-        f"test acc {logs.get('val_accuracy', float('nan')):.4f}  {eps_text}", flush=True)
 
 
 def as_numpy_labels(y) -> np.ndarray:

@@ -34,6 +34,7 @@ from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import allocator
 from tf_dpnsgd.launch import common
+from tf_dpnsgd.launch import logs
 
 MNIST_TRAIN_SIZE = 60000
 MODELS = ("mlp", "convnet")
@@ -132,7 +133,7 @@ def main(argv):
       cfg, canary_audit.spec_from_flags(), lambda: build(width=FLAGS.width), train, test,
       num_classes=10,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      export_fn=export_fn, print_fn=common.print_epoch,
+      export_fn=export_fn, print_fn=logs.print_epoch,
       extra_report={"dataset": "mnist", "model": FLAGS.model, "width": FLAGS.width})
   acc = record.metric("accuracy", float("nan"))
   print(f"final test accuracy {acc:.4f}; {record.epsilon_text()} after "

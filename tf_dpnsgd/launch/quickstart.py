@@ -37,6 +37,7 @@ from tf_dpnsgd import data as data_lib
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import common
+from tf_dpnsgd.launch import logs
 
 common.define_flags(optimizer="dpnsgd", learning_rate=2.0, regularizer=0.01, momentum=0.0,
                     target_epsilon=4.0, delta=1e-5, batch_size=128, epochs=40,
@@ -79,7 +80,7 @@ def main(argv):
       cfg, canary_audit.spec_from_flags(), digits_mlp, (x_train, y_train), (x_test, y_test),
       num_classes=10,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      export_fn=export_fn, print_fn=common.print_epoch, extra_report={"dataset": "sklearn digits"})
+      export_fn=export_fn, print_fn=logs.print_epoch, extra_report={"dataset": "sklearn digits"})
   acc = record.metric("accuracy")
   if record.private:
     print(f"final test accuracy {acc:.4f} at ({record.epsilon:.3f}, {record.delta:g})-DP "
