@@ -209,3 +209,28 @@ def test_shown_drops_diagnostics_but_not_nonfinite_examples_that_happened():
           "l2_norm_clip": 1.0, "clipped_fraction": 0.5, "epsilon": 0.3}
   assert shown(logs) == {"loss": 1.0, "clipped_fraction": 0.5, "epsilon": 0.3}
   assert shown({**logs, "nonfinite_examples": 2.0})["nonfinite_examples"] == 2.0
+
+
+def test_step_reporter_prints_slow_steps_and_at_least_every_interval_with_epsilon_and_eta():
+  """Issue 32, part 4: nothing runs silent for minutes (a fake clock, no training)."""
+  from tf_dpnsgd.callbacks import StepReporter
+  from tf_dpnsgd.plan import PrivacyPlan
+  plan = PrivacyPlan(dataset_size=1000, batch_size=100, sampling="poisson", steps=20,
+                     noise_multiplier=1.0, delta=1e-5)
+  now = [0.0]
+  lines = []
+  reporter = StepReporter(start_step=4, total_steps=20, plan=plan, every_s=30.0,
+                          slow_step_s=2.0, clock=lambda: now[0], print_fn=lines.append)
+  reporter.on_train_begin()
+  for step_time in (0.5, 0.5, 5.0, 0.5):  # first step: a line; the 5 s step: a line
+    now[0] += step_time
+    reporter.on_train_batch_end(0, {"loss": 0.25})
+  assert len(lines) == 2, lines
+  assert lines[0].startswith("step 5/20  loss 0.2500  epsilon ")
+  assert f"epsilon {plan.epsilon(5):.3f}" in lines[0]
+  # After step 7 (6.0 s for 3 steps): 2.00 s/step, 13 steps left -> 26 s.
+  assert lines[1].endswith("2.00 s/step  ETA 0:00:26"), lines[1]
+  for _ in range(70):  # fast steps: one line per 30 s
+    now[0] += 1.0
+    reporter.on_train_batch_end(0, {})
+  assert len(lines) == 2 + 2, lines  # at 36.5 s and 66.5 s since the last line

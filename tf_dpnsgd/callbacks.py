@@ -304,6 +304,66 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     super()._finalize_progbar(shown(logs, self._hidden))
 
 
+def eta_text(seconds: float) -> str:
+  """``h:mm:ss`` of a non-negative duration.
+
+  >>> eta_text(3725.4)
+  '1:02:05'
+  """
+  seconds = int(round(max(float(seconds), 0.0)))
+  return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class StepReporter(keras.callbacks.Callback):
+  """Per-step progress lines for long runs without a progress bar (the launchers' default
+  ``--verbose=0``): nothing runs silent for minutes.
+
+  Prints a line after the first step, after every step that took at least
+  ``slow_step_s`` and otherwise at most every ``every_s`` seconds:
+  ``step t/T  loss L  epsilon e  s/step d  ETA h:mm:ss``. The ETA is the mean
+  step time of this run so far times the steps left; epsilon is the plan's
+  for the ledger's steps (public: a function of the step count), the loss the
+  unprivatized training loss every progress bar shows.
+
+  Args:
+    start_step, total_steps: the ledger's step when the run starts, and where it ends.
+    plan: the run's :class:`~tf_dpnsgd.plan.PrivacyPlan` (None: no epsilon shown).
+    clock, print_fn: for tests.
+  """
+
+  def __init__(self, start_step: int, total_steps: int, plan=None, every_s: float = 30.0,
+               slow_step_s: float = 2.0, clock=None, print_fn=None):
+    super().__init__()
+    import time  # pylint: disable=g-import-not-at-top
+    self.start_step, self.total_steps, self.plan = int(start_step), int(total_steps), plan
+    self.every_s, self.slow_step_s = float(every_s), float(slow_step_s)
+    self._clock = clock or time.perf_counter
+    self._print = print_fn or (lambda line: print(line, flush=True))
+
+  def on_train_begin(self, logs=None):
+    self._step = self.start_step
+    self._began = self._last_step = self._last_line = self._clock()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._step += 1
+    now = self._clock()
+    took, self._last_step = now - self._last_step, now
+    done = self._step - self.start_step
+    if not (done == 1 or took >= self.slow_step_s or now - self._last_line >= self.every_s):
+      return
+    self._last_line = now
+    per_step = (now - self._began) / done
+    parts = [f"step {self._step}/{self.total_steps}"]
+    loss = (logs or {}).get("loss")
+    if loss is not None:
+      parts.append(f"loss {float(loss):.4f}")
+    if self.plan is not None:
+      parts.append(f"epsilon {self.plan.epsilon(self._step):.3f}")
+    parts += [f"{per_step:.2f} s/step",
+              f"ETA {eta_text(per_step * max(self.total_steps - self._step, 0))}"]
+    self._print("  ".join(parts))
+
+
 def with_progress_bar(callbacks, total_steps: Optional[int] = None) -> list:
   """``callbacks`` with a :class:`ProgressBar` appended, unless a ``ProgbarLogger`` is
   among them already."""
@@ -336,5 +396,6 @@ def _nonzero(value) -> bool:
 
 
 __all__ = ["CLIP_KEY", "DIAGNOSTIC_KEYS", "EPSILON_KEY", "EXTEND_ADVICE", "PrivacyBudgetExceededError",
+           "StepReporter", "eta_text",
            "PrivacyCallback", "ProgressBar", "shown", "steps_taken", "with_progress_bar",
            "write_scalar"]
