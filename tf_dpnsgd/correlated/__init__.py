@@ -1,0 +1,9 @@
+"""Correlated noise across steps: banded matrix factorization (Choquette-Choo et al. 2023).
+
+* :mod:`~tf_dpnsgd.correlated.strategy`: the banded Toeplitz strategy (offline, NumPy/SciPy);
+* :mod:`~tf_dpnsgd.correlated.noise`: the noise ``C^{-1} z`` in the train step (TF);
+* :mod:`~tf_dpnsgd.correlated.sampling`: cyclic Poisson sampling (b-min-separation) and
+  the checks that bind the plan, the optimizer and the ledger together.
+
+See docs/correlated_noise.md.
+"""
