@@ -144,6 +144,20 @@ def test_rows_changed_or_repeated_after_the_sampler_are_refused_before_any_step(
   np.testing.assert_array_equal(head.get_weights()[0], before)
 
 
+def test_a_padding_row_made_real_after_the_sampler_is_refused():
+  """Poisson padding rows hold example 0 (masked); unmasking them after the sampler would add
+  an example the sampler did not draw (its digest still matches: only its tag says padding)."""
+  private, head = model()
+  p = tf_dpnsgd.PrivacyPlan(dataset_size=N, batch_size=2, sampling="poisson", steps=4,
+                            noise_multiplier=1.0, delta=1e-5, seed=2)
+  assert len(p.sampler.indices(0)) < p.sampler.max_batch_size  # step 0 has padding rows
+  stream = p.dataset(*data(), model=private).map(
+      lambda xb, yb, tags: (xb, yb, dict(tags, dp_mask=tf.ones_like(tags["dp_mask"]))))
+  with pytest.raises(LedgerMismatchError, match="padding"):
+    private.fit(stream, steps_per_epoch=1, epochs=1, verbose=0)
+  assert private.privacy_ledger.steps == 0
+
+
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
 def test_a_batch_repeated_with_its_tags_is_refused(steps_per_execution):
   """A batch followed by an augmented copy of itself as the next element (flat_map), tags
@@ -221,6 +235,7 @@ def test_augmented_rows_are_tagged_with_their_own_digest_and_example():
     idx = sampler.indices(step)
     assert xb.shape[1:] == (2, D)
     np.testing.assert_array_equal(tags["dp_example"].numpy()[:len(idx)], idx)
+    assert (tags["dp_example"].numpy()[len(idx):] == -1).all()  # padding
     np.testing.assert_array_equal(tags["dp_digest"].numpy(),
                                   rows_lib.row_digests((xb, yb)).numpy())
     assert not tags["dp_mask"].numpy()[len(idx):].any()
@@ -298,10 +313,14 @@ def test_row_digest_of_ragged_and_string_rows_and_what_it_refuses():
 
 
 def test_row_problems_count_only_real_rows():
-  check = rows_lib.count_problems(np.array([4, 1, 4, 0, 0]),
+  check = rows_lib.count_problems(np.array([4, 1, 4, -1, -1]),
                                   np.array([True, True, True, False, False]),
                                   np.array([True, False, True, False, False]))
   assert check == rows_lib.RowCheck(altered=1, duplicated=1)  # padding rows are not counted
+  unmasked = rows_lib.count_problems(np.array([4, -1, -1]), np.ones(3, bool), np.ones(3, bool))
+  assert unmasked == rows_lib.RowCheck(unmasked_padding=2)
+  with pytest.raises(LedgerMismatchError, match="padding"):
+    rows_lib.check_rows(unmasked)
   with pytest.raises(LedgerMismatchError, match="changed after the sampler"):
     rows_lib.check_rows(check)
   with pytest.raises(LedgerMismatchError, match="repeating an example"):

@@ -12,7 +12,10 @@ about to train on and refuses it (:func:`check_rows`) when
   can make one example's data reach several rows' gradients (its sensitivity
   then exceeds the one the noise is calibrated to);
 * two real (unmasked) rows hold the same example: a batch concatenated with
-  (an augmented copy of) itself, tags copied along, counts one example twice.
+  (an augmented copy of) itself, tags copied along, counts one example twice;
+* a padding row (``dp_example = -1``: Poisson padding, or padding to a
+  multiple of the replicas) was made real by changing its ``dp_mask``: an
+  example the sampler did not draw would join the batch.
 
 A batch repeated as a whole (``flat_map``, ``concatenate``, ``repeat``) has the
 step tag of the batch before it; :meth:`tf_dpnsgd.ledger.PrivacyLedger.check_batch`
@@ -156,28 +159,33 @@ def row_digests(structure, xla: bool = False) -> tf.Tensor:
 @dataclasses.dataclass(frozen=True)
 class RowCheck:
   """Host-side counts of one batch's rows (see :func:`check_rows`): ``altered`` real rows
-  whose digest no longer matches, ``duplicated`` real rows repeating an example."""
+  whose digest no longer matches, ``duplicated`` real rows repeating an example,
+  ``unmasked_padding`` real rows tagged as padding (example -1)."""
 
   altered: int = 0
   duplicated: int = 0
+  unmasked_padding: int = 0
 
 
 def count_problems(examples: np.ndarray, real: np.ndarray, digest_ok: np.ndarray) -> RowCheck:
   """Counts rows whose digest no longer matches, and real rows repeating an example.
 
   Args:
-    examples: the ``dp_example`` tag of every row (all replicas' shards of one batch).
+    examples: the ``dp_example`` tag of every row (all replicas' shards of one batch; -1
+      for a padding row).
     real: whether each row is real (``dp_mask``; all True without one).
     digest_ok: whether each row's recomputed digest equals its ``dp_digest`` tag.
 
-  >>> count_problems(np.array([3, 5, 3, 0]), np.array([True, True, True, False]),
-  ...                np.array([True, True, True, False]))  # padding (index 0) is not real
-  RowCheck(altered=0, duplicated=1)
+  >>> count_problems(np.array([3, 5, 3, -1]), np.array([True, True, True, False]),
+  ...                np.array([True, True, True, False]))  # the padding row is not real
+  RowCheck(altered=0, duplicated=1, unmasked_padding=0)
   """
   examples, real = np.asarray(examples).reshape(-1), np.asarray(real, bool).reshape(-1)
   ids = examples[real]
   altered = int(np.sum(~np.asarray(digest_ok, bool).reshape(-1)[real]))
-  return RowCheck(altered, int(ids.size - np.unique(ids).size))
+  padding = int(np.sum(ids < 0))
+  real_ids = ids[ids >= 0]
+  return RowCheck(altered, int(real_ids.size - np.unique(real_ids).size), padding)
 
 
 def check_rows(check: RowCheck, offset: int = 0) -> None:
@@ -192,6 +200,12 @@ def check_rows(check: RowCheck, offset: int = 0) -> None:
         "example's sensitivity. Give augmentation to the sampler as a function of ONE "
         "example, plan.dataset(x, y, model=model, augment=fn) with fn(x_i, y_i, seed) -> "
         "x_i' (and multiplicity=K for K views of each example), not as a map over batches.")
+  if check.unmasked_padding:
+    raise LedgerMismatchError(
+        f"tf_dpnsgd: {where} has {check.unmasked_padding} padding row(s) marked real (their "
+        "dp_mask was changed after the sampler): an example the sampler did not draw would "
+        "join the batch. Do not change the batches of plan.dataset(...); give augmentation "
+        "to the sampler (augment=fn).")
   if check.duplicated:
     raise LedgerMismatchError(
         f"tf_dpnsgd: {where} holds {check.duplicated} real row(s) repeating an example "

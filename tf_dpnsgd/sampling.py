@@ -264,7 +264,8 @@ class Sampler:
       xb = tf.nest.map_structure(lambda a: _take_rows(a, idx), x)
       yb = tf.nest.map_structure(lambda a: _take_rows(a, idx), y)
       tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
-      tags[ledger_lib.DP_EXAMPLE_KEY] = idx.astype(np.int64)
+      tags[ledger_lib.DP_EXAMPLE_KEY] = (idx if mask is None else np.where(mask, idx, -1)
+                                        ).astype(np.int64)  # padding: -1
       tags[ledger_lib.DP_DIGEST_KEY] = rows_lib.row_digests((xb, yb)).numpy()
       if mask is not None:
         # Keras' generator adapter needs rank >= 1; the train step reads element 0.
@@ -364,7 +365,7 @@ class Sampler:
               ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64)),
               ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64)),
               ledger_lib.DP_PERIOD_KEY: tf.fill([rows], tf.constant(period, tf.int64)),
-              ledger_lib.DP_EXAMPLE_KEY: idx,  # what left the sampler (rows_lib)
+              ledger_lib.DP_EXAMPLE_KEY: tf.where(mask, idx, tf.constant(-1, tf.int64)),
               ledger_lib.DP_DIGEST_KEY: rows_lib.row_digests((xb, yb), xla=True)}
       if with_mask:
         tags[DP_MASK_KEY] = mask
