@@ -46,7 +46,6 @@ import json
 import math
 from typing import Optional
 
-import tensorflow as tf
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import callbacks as callbacks_lib
