@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import io
 import os
 import pkgutil
@@ -33,6 +34,15 @@ import tf_dpnsgd
 MIN_MODULES_WITH_EXAMPLES = 12
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 SUBPROCESS_PREFIXES = ("tf_dpnsgd.launch.",)
+
+
+def _defines_flags(name: str) -> bool:
+  """Whether module ``name``'s source defines absl flags when imported (then it runs in a
+  subprocess; a launch module without flags, e.g. the allocator's, runs in-process)."""
+  spec = importlib.util.find_spec(name)
+  with open(spec.origin, encoding="utf-8") as f:
+    source = f.read()
+  return "define_flags(" in source or "flags.DEFINE_" in source
 
 
 def _discover():
@@ -80,7 +90,7 @@ def test_examples_were_found():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
-  if name.startswith(SUBPROCESS_PREFIXES):
+  if name.startswith(SUBPROCESS_PREFIXES) and _defines_flags(name):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
                CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
