@@ -1,39 +1,43 @@
-"""Layer-wise DP step vs plain step: time and memory, with and without XLA (issue 12).
+"""Plain step vs the layer-wise DP step, book-keeping and two passes: time and memory.
 
 Usage (from the repository root)::
 
-    python benchmarks/engine_ratio.py                       # 6 rows + sampler
-    python benchmarks/engine_ratio.py --models=bert --jit=0 --steps=20
+    python benchmarks/engine_ratio.py                      # ResNet20-GN b256, BERT b32
+    python benchmarks/engine_ratio.py --models=resnet20 --batch=16 --steps=2  # a quick check
+    python benchmarks/engine_ratio.py --fit_gib=8          # + the largest batch in 8 GiB
 
 Configurations: ResNet20-GN (CIFAR shapes) at batch 256 and a keras-hub BERT
 of MiniLM-L6 size (6 layers, hidden 384, 12 heads, intermediate 1536, sequence
 128, random weights, no download) at batch 32 (the builders of
-``benchmarks/per_example_engines.py``), each compiled with ``jit_compile``
-False and True; on request (``--models=scatter_cnn,scatter_cnn_2views``) Tramer
-and Boneh's CNN on CIFAR-10 scattering features at batch 512, on one view or
-on two views with shared weights (loss = mean over views); and
-(``--models=bert_lora``) LoRA fine-tuning of a small BERT (4 layers, hidden
-256, sequence 64, ``backbone.enable_lora(8)``) at batch 32, a plain LoRA step
-against a DP LoRA step. The DP model is ``tf_dpnsgd.make_private(per_example=
-"layerwise")`` with DPNSGD (noise multiplier 1). BERT runs twice per
-``jit_compile`` value: with the engine's default budget for kept per-example
-gradients and with ``keep_per_example_mib=0`` (``--keep_mib``), the
-time-for-memory trade the user chooses; so do the scattering CNNs.
+``benchmarks/per_example_engines.py``); on request
+(``--models=scatter_cnn,scatter_cnn_2views``) Tramer and Boneh's CNN on CIFAR-10
+scattering features at batch 512, on one view or on two views with shared
+weights. Each runs with ``jit_compile`` in ``--jit``. The DP models are
+``tf_dpnsgd.make_private(per_example=...)`` with DPNSGD (noise multiplier 1):
+``"layerwise"`` (book-keeping; ``--keep_mib`` values, 'default' = the engine's
+budget) and ``"two_pass"`` (``--modes``).
 
-Time: one subprocess per configuration builds both models and alternates one
-plain and one DP ``train_on_batch`` on the same batch, ``--steps`` times after
-``--warmup`` (tracing included), so that load from other processes hits both
-alike; the table gives the medians and the ratio of the medians, and the
-interquartile ratio range (quartiles of the per-pair ratios) as a noise gauge.
+Time: one subprocess per (configuration, keep budget) builds the plain model
+and every DP model and runs one ``train_on_batch`` of each in turn (the order
+rotating every round), ``--steps`` rounds after ``--warmup`` (tracing
+included), so that load from other processes hits all alike; the table gives
+medians, each DP mode's ratio of medians to the plain step, and the
+interquartile range of the per-round ratios as a noise gauge.
 
-Memory: the process's resident-set high-water mark (``ru_maxrss``), measured
-in one more subprocess per (configuration, plain/DP) that runs only that
-model for ``--memory_steps`` steps (TensorFlow's CPU allocator statistics miss
-what oneDNN and XLA allocate themselves). ``--memory_steps=0`` skips it.
+Memory: one more subprocess per (configuration, mode) runs only that model:
+its resident-set high-water mark (``ru_maxrss``) after ``--memory_steps``
+steps, minus the high-water mark before the first step (imports, model,
+optimizer, batch: the baseline), is the step's memory (tracing included).
+TensorFlow's CPU allocator statistics miss what oneDNN and XLA allocate
+themselves; on a GPU, ``tf.config.experimental.get_memory_info`` would be the
+measure. ``--memory_steps=0`` skips it. ``--fit_gib=G`` also measures each
+mode at half the batch and extrapolates linearly (per-example slope) to the
+largest batch whose peak RSS fits in ``G`` GiB.
 
 Sampler: examples per second of a Poisson ``tf.data`` stream
 (``tf_dpnsgd.sampling.PoissonSampler.dataset``) over 50000 CIFAR-shaped
-examples with expected batch 256, iterated without a model.
+examples with expected batch 256, iterated without a model (``--sampler_batches=0``
+skips it).
 """
 
 from __future__ import annotations
@@ -49,77 +53,77 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512,
-           "bert_lora": 32}
+BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512}
+ENGINES = {"bookkeeping": "layerwise", "two_pass": "two_pass"}
 
 
-def _models(model_name, jit, keep_mib=None):
+def _peak_mib():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _build(model_name, jit, mode, keep_mib=None, batch=None):
+  """``(model, x, y)``: the plain model (``mode="plain"``) or a DP one, compiled."""
   import keras
+  import numpy as np
+  import tensorflow as tf
 
   import tf_dpnsgd
   from per_example_engines import build
   from per_example_engines import loss_for
 
   keras.utils.set_random_seed(0)
-  make, x, y, batch = build(model_name)
+  make, x, y, full = build(model_name)
+  if batch is not None and batch != full:  # the first rows (tiled if more are asked for)
+    rows = np.arange(batch) % full
+    x = {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
+    y = y[rows]
   loss = loss_for(model_name)
-
-  def plain():
-    m = make()
-    m.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=jit)
-    return m
-
-  def private():
-    m = tf_dpnsgd.make_private(make(), per_example="layerwise", keep_per_example_mib=keep_mib,
-                               trust_untagged_batches=True)  # timing: synthetic batches
-    m.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.01, regularizer=0.1,
-                                         noise_multiplier=1.0, seed=0),
-              loss=loss, jit_compile=jit)
-    return m
-
-  return plain, private, x, y, batch
+  if mode == "plain":
+    model = make()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=jit)
+  else:
+    model = tf_dpnsgd.make_private(make(), per_example=ENGINES[mode], keep_per_example_mib=keep_mib,
+                                   trust_untagged_batches=True)  # timing: synthetic batches
+    model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.01, regularizer=0.1,
+                                             noise_multiplier=1.0, seed=0),
+                  loss=loss, jit_compile=jit)
+  return model, tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y)
 
 
-def time_child(model_name, jit, steps, warmup, keep_mib=None):
-  import tensorflow as tf
+def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None):
+  models = {m: _build(model_name, jit, m, keep_mib, batch) for m in ["plain"] + modes}
 
-  plain_fn, private_fn, x, y, batch = _models(model_name, jit, keep_mib)
-  plain, private = plain_fn(), private_fn()
-  x = tf.nest.map_structure(tf.convert_to_tensor, x)
-  y = tf.convert_to_tensor(y)
-
-  def step(model):
+  def step(mode):
+    model, x, y = models[mode]
     start = time.perf_counter()
     model.train_on_batch(x, y)
     return time.perf_counter() - start
 
+  names = list(models)
   for _ in range(warmup):
-    step(plain)
-    step(private)
-  times = {"plain": [], "dp": []}
-  for i in range(steps):  # alternate which goes first
-    order = (("plain", plain), ("dp", private)) if i % 2 == 0 else (("dp", private),
-                                                                   ("plain", plain))
-    for key, model in order:
-      times[key].append(step(model))
-  ratios = sorted(d / p for d, p in zip(times["dp"], times["plain"]))
-  q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-  med = {k: statistics.median(v) for k, v in times.items()}
-  return {"model": model_name, "jit": jit, "batch": batch, "steps": steps,
-          "plain_ms": 1e3 * med["plain"], "dp_ms": 1e3 * med["dp"],
-          "ratio": med["dp"] / med["plain"], "ratio_q1": q[0], "ratio_q3": q[2]}
+    for m in names:
+      step(m)
+  times = {m: [] for m in names}
+  for i in range(steps):  # rotate which goes first
+    for m in names[i % len(names):] + names[:i % len(names)]:
+      times[m].append(step(m))
+  out = {"plain_ms": 1e3 * statistics.median(times["plain"])}
+  for m in modes:
+    ratios = sorted(d / p for d, p in zip(times[m], times["plain"]))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    out[f"{m}_ms"] = 1e3 * statistics.median(times[m])
+    out[f"{m}_ratio"] = out[f"{m}_ms"] / out["plain_ms"]
+    out[f"{m}_iqr"] = [q[0], q[2]]
+  return out
 
 
-def memory_child(model_name, jit, which, steps, keep_mib=None):
-  import tensorflow as tf
-
-  plain_fn, private_fn, x, y, _ = _models(model_name, jit, keep_mib)
-  model = plain_fn() if which == "plain" else private_fn()
-  x = tf.nest.map_structure(tf.convert_to_tensor, x)
-  y = tf.convert_to_tensor(y)
+def memory_child(model_name, jit, mode, steps, keep_mib=None, batch=None):
+  model, x, y = _build(model_name, jit, mode, keep_mib, batch)
+  baseline = _peak_mib()
   for _ in range(steps):
     model.train_on_batch(x, y)
-  return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  peak = _peak_mib()
+  return {"peak_mib": peak, "baseline_mib": baseline, "step_mib": peak - baseline}
 
 
 def sampler_child(batches):
@@ -157,47 +161,57 @@ def _child(args_list):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="resnet20,bert")
-  parser.add_argument("--jit", default="0,1", help="jit_compile values, e.g. 0,1")
-  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--modes", default="bookkeeping,two_pass",
+                      help="DP modes next to the plain step: bookkeeping, two_pass")
+  parser.add_argument("--jit", default="0", help="jit_compile values, e.g. 0,1")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="batch size for every model (default: each model's own)")
+  parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--memory_steps", type=int, default=3)
-  parser.add_argument("--sampler_batches", type=int, default=50)
-  parser.add_argument("--keep_mib", default="default,0",
-                      help="keep_per_example_mib values of the DP model (MiB; 'default': the "
-                           "engine's budget); BERT and the scattering CNNs run each, "
-                           "ResNet20-GN 'default' only")
+  parser.add_argument("--fit_gib", type=float, default=0.0,
+                      help="also extrapolate the largest batch whose peak RSS fits (GiB)")
+  parser.add_argument("--sampler_batches", type=int, default=0)
+  parser.add_argument("--keep_mib", default="default",
+                      help="keep_per_example_mib values of the DP models (MiB; 'default': "
+                           "the engine's budget), e.g. default,0")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
     parser.error("--steps and --warmup must be >= 1")
+  modes = args.modes.split(",")
+  if any(m not in ENGINES for m in modes):
+    parser.error(f"--modes: each of {sorted(ENGINES)}")
 
   if args.child:
     kind, *rest = args.child.split(":")
-    keep = None if rest and rest[-1] == "default" else (float(rest[-1]) if rest else None)
-    if kind == "time":
-      out = time_child(rest[0], rest[1] == "1", args.steps, args.warmup, keep)
-    elif kind == "memory":
-      out = memory_child(rest[0], rest[1] == "1", rest[2], args.memory_steps, keep)
-    else:
+    if kind == "sampler":
       out = sampler_child(args.sampler_batches)
+    else:
+      keep = None if rest[-2] == "default" else float(rest[-2])
+      batch = int(rest[-1]) if rest[-1] else None
+      if kind == "time":
+        out = time_child(rest[0], rest[1] == "1", rest[2].split("+"), args.steps, args.warmup,
+                         keep, batch)
+      else:
+        out = memory_child(rest[0], rest[1] == "1", rest[2], args.memory_steps, keep, batch)
     print("RESULT " + json.dumps(out))
     return 0
 
   rows = []
   for model_name in args.models.split(","):
-    keeps = (args.keep_mib.split(",") if model_name in ("bert", "scatter_cnn", "scatter_cnn_2views")
-             else ["default"])
+    batch = args.batch or BATCHES[model_name]
     for jit in args.jit.split(","):
-      for keep in keeps:
-        row = {"model": model_name, "jit": jit == "1", "batch": BATCHES[model_name],
-               "keep_mib": keep}
-        row.update(_child(["--child", f"time:{model_name}:{jit}:{keep}", "--steps",
-                           str(args.steps), "--warmup", str(args.warmup)]))
+      for keep in args.keep_mib.split(","):
+        row = {"model": model_name, "jit": jit == "1", "batch": batch, "keep_mib": keep}
+        row.update(_child(["--child", f"time:{model_name}:{jit}:{'+'.join(modes)}:{keep}:{batch}",
+                           "--steps", str(args.steps), "--warmup", str(args.warmup)]))
         if args.memory_steps > 0:
-          for which in ("plain", "dp"):
-            mem = _child(["--child", f"memory:{model_name}:{jit}:{which}:{keep}",
-                          "--memory_steps", str(args.memory_steps)])
-            row[f"{which}_rss_mib"] = mem.get("peak_rss_mib")
+          for mode in ["plain"] + modes:
+            for b in ([batch, batch // 2] if args.fit_gib > 0 else [batch]):
+              mem = _child(["--child", f"memory:{model_name}:{jit}:{mode}:{keep}:{b}",
+                            "--memory_steps", str(args.memory_steps)])
+              row[f"{mode}_mem_{b}"] = mem
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
   sampler = (_child(["--child", "sampler", "--sampler_batches", str(args.sampler_batches)])
@@ -205,21 +219,42 @@ def main(argv=None):
 
   import platform
 
-  print(f"\nCPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; "
-        f"plain and DP steps alternated, medians over {args.steps} pairs after {args.warmup} "
-        "warm-up pairs; peak RSS over a separate run of each.\n")
-  print("| model | batch | XLA | keep MiB | plain ms | DP ms | DP/plain | ratio IQR "
-        "| plain peak MiB | DP peak MiB | memory ratio |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  load = os.getloadavg()
+  print(f"\nCPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, "
+        f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); "
+        f"all models' steps in turn, medians over {args.steps} rounds after {args.warmup} "
+        "warm-up rounds; memory: peak RSS of a separate run of each minus its peak before the "
+        "first step.\n")
+  print("| model | batch | XLA | keep MiB | mode | step ms | x plain | ratio IQR "
+        "| step MiB (peak RSS - baseline) | x plain | peak RSS MiB |"
+        + (f" largest batch in {args.fit_gib:g} GiB |" if args.fit_gib > 0 else ""))
+  print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.fit_gib > 0 else ""))
   for r in rows:
     head = f"| {r['model']} | {r['batch']} | {r['jit']} | {r['keep_mib']} "
     if "error" in r:
-      print(f"{head}| failed: {r['error']} | | | | | | |")
+      print(f"{head}| | failed: {r['error']} | | | | | |")
       continue
-    pm, dm = r.get("plain_rss_mib"), r.get("dp_rss_mib")
-    mem = (f"{pm:.0f} | {dm:.0f} | {dm / pm:.2f}x" if pm and dm else "- | - | -")
-    print(f"{head}| {r['plain_ms']:.0f} | {r['dp_ms']:.0f} "
-          f"| {r['ratio']:.2f}x | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {mem} |")
+    b = r["batch"]
+    plain_mem = r.get(f"plain_mem_{b}", {})
+    for mode in ["plain"] + modes:
+      mem = r.get(f"{mode}_mem_{b}", {})
+      ms = r[f"{mode}_ms"] if mode != "plain" else r["plain_ms"]
+      ratio = "1" if mode == "plain" else f"{r[f'{mode}_ratio']:.2f}x"
+      iqr = "" if mode == "plain" else "{:.2f}-{:.2f}".format(*r[f"{mode}_iqr"])
+      if "step_mib" in mem and "step_mib" in plain_mem:
+        memory = (f"{mem['step_mib']:.0f} | {mem['step_mib'] / plain_mem['step_mib']:.2f}x "
+                  f"| {mem['peak_mib']:.0f}")
+      else:
+        memory = f"{mem.get('error', '-')} | - | -"
+      fit = ""
+      if args.fit_gib > 0:
+        half = r.get(f"{mode}_mem_{b // 2}", {})
+        if "peak_mib" in mem and "peak_mib" in half and mem["peak_mib"] > half["peak_mib"]:
+          slope = (mem["peak_mib"] - half["peak_mib"]) / (b - b // 2)
+          fit = f" {int(b + (args.fit_gib * 1024 - mem['peak_mib']) / slope)} |"
+        else:
+          fit = " - |"
+      print(f"{head}| {mode} | {ms:.0f} | {ratio} | {iqr} | {memory} |{fit}")
   if sampler is not None:
     if "error" in sampler:
       print(f"\nPoisson sampler: failed: {sampler['error']}")

@@ -743,7 +743,7 @@ class DPModel(_DPTrainer, keras.Model):
     inputs, outputs, name: as the functional ``keras.Model``.
     per_example: engine for per-example gradients: ``"auto"`` (layer-wise when
       every trainable layer has a rule, else vectorized; logged),
-      ``"layerwise"``, ``"vectorized"`` or ``"microbatch"``; see
+      ``"layerwise"``, ``"two_pass"``, ``"vectorized"`` or ``"microbatch"``; see
       :mod:`tf_dpnsgd.per_example` and ``docs/per_example.md``.
     physical_batch_size: process each logical batch in chunks of at most this
       many examples (same result and privacy, less memory); noise is still
@@ -753,9 +753,11 @@ class DPModel(_DPTrainer, keras.Model):
       (tensorflow-privacy's option); the denominator is the number of
       microbatches. Not with Poisson batches nor ``physical_batch_size``.
     keep_per_example_mib: memory (MiB, all layers together) the layer-wise
-      engine may spend keeping per-example weight gradients between its norm
-      and its weighted-sum pass; faster where it keeps them (sequence
-      models), 0 for the least memory; default
+      engine may spend on per-example tensors held between its norms and its
+      weighted sum: book-keeping's output gradients, then per-example weight
+      gradients (faster for sequence models); ``per_example="auto"`` runs two
+      passes (about a plain step's memory) where the output gradients alone
+      exceed it, 0 always; default
       :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES` (see
       ``docs/per_example.md``, "Memory").
 
