@@ -119,7 +119,7 @@ TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY
 BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
-KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4}
+KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4, "cyclic_poisson": 5}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
 _LEDGER_NAME = "dp_privacy_ledger"
 # Quantile-adaptive clipping: what its steps released, recorded by the step (the report
@@ -134,7 +134,7 @@ WARM_START_FIELD = "warm_start_source"  # utf-8 bytes of the last file loaded wi
 _SOURCE_BYTES = 256
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
            "min_noise_multiplier", "noise_generation", "lineage", "flags", "releases",
-           RELEASE_FIELD, WARM_START_FIELD) + ADAPTIVE_FIELDS
+           RELEASE_FIELD, WARM_START_FIELD, "noise_bands") + ADAPTIVE_FIELDS
 _MIN_FIELDS = ("min_noise_multiplier",)  # start at +inf
 _SHAPES = {RELEASE_FIELD: (MAX_RELEASES,), WARM_START_FIELD: (_SOURCE_BYTES,)}
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
@@ -274,6 +274,11 @@ class PrivacyLedger(keras.layers.Layer):
   @property
   def min_noise_multiplier(self) -> float:
     return float(self._vars["min_noise_multiplier"].numpy())
+
+  @property
+  def noise_bands(self) -> int:
+    """``b`` of the noise every step used (1: independent; -1: steps of different ``b``)."""
+    return int(self._vars["noise_bands"].numpy()) or 1  # 0: no step, or written before it
 
   @property
   def noise_generation(self) -> int:
@@ -562,7 +567,7 @@ class PrivacyLedger(keras.layers.Layer):
                      self._vars["steps"].value])
 
   def record(self, tags, noise_multiplier: float, user_seeded: bool,
-             adaptive: Optional[dict] = None) -> list:
+             adaptive: Optional[dict] = None, bands: int = 1) -> list:
     """Assign ops recording one executed private step (run after the update).
 
     ``adaptive``: under quantile-adaptive clipping, what the step released besides the
@@ -580,6 +585,9 @@ class PrivacyLedger(keras.layers.Layer):
     if tags is not None:
       ops.append(v["sampler"].assign(tf.cast(tags[DP_SAMPLER_KEY][0], tf.int64)))
       ops.append(v["sampler_seed_hash"].assign(tf.cast(tags[DP_SEED_KEY][0], tf.int64)))
+    old_bands, bands = v["noise_bands"].value, tf.constant(int(bands), tf.int64)
+    ops.append(v["noise_bands"].assign(tf.where(  # correlated noise: 1 b per ledger, else -1
+        tf.equal(old_bands, 0) | tf.equal(old_bands, bands), bands, tf.constant(-1, tf.int64))))
     if user_seeded:
       ops.append(v["user_seeded_steps"].assign_add(tf.constant(1, tf.int64)))
     if adaptive is not None:

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd.correlated import noise as _correlated
 from tf_dpnsgd import transforms
 
 _RAW_APPLY_ERROR = (
@@ -114,7 +115,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, noise_multiplier=None, regularizer=None,
                l2_norm_clip=None, seed=None, num_microbatches=None,
                target_unclipped_quantile=None, clip_learning_rate=None,
-               clipped_count_stddev=None, name=None, **kwargs):
+               clipped_count_stddev=None, name=None, band_coefficients=None, **kwargs):
     if kwargs:
       raise ValueError(f"{type(self).__name__} does not take {sorted(kwargs)}; set optimizer "
                        "options on the wrapped optimizer.")
@@ -124,8 +125,10 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     adaptive, count_stddev = noise_lib.make_adaptive_clip(
         noise_multiplier or 0.0, regularizer, l2_norm_clip, target_unclipped_quantile,
         clip_learning_rate, clipped_count_stddev)
+    band_noise = _correlated.banded_noise(band_coefficients, adaptive)
     inner = _check_inner(inner_optimizer)
     super().__init__(learning_rate=0.0, name=name or f"private_{inner.name}")
+    self.band_noise = band_noise  # None: independent noise (tf_dpnsgd.correlated.noise)
     self.inner_optimizer = inner
     self._transform = transform
     self.adaptive_clip = adaptive
@@ -296,6 +299,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
           shape=(), dtype="float32", name="current_l2_norm_clip",
           initializer=keras.initializers.Constant(self.adaptive_clip.l2_norm_clip),
           aggregation="only_first_replica")
+    if self.band_noise is not None:  # its buffers: optimizer state, saved with the rest
+      self.band_noise.build(self, var_list)
     # A Python value, never a variable: no checkpoint, .keras file or export holds it.
     self._noise_key = noise_lib.noise_key(self.seed)
 
@@ -328,6 +333,9 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       stddev = 0.0
     else:
       stddev = None  # sigma_grad of the step's global denominator, times the clip C_t
+    if self.band_noise is not None:  # w = C^-1 z, the same draws z (tf_dpnsgd.correlated)
+      return self.band_noise.privatize(summed, denominator, key=self._noise_key, step=step,
+                                       stddev=stddev, user_seeded=self.seed is not None)
     return noise_lib.privatize(
         summed, denominator, key=self._noise_key, step=step, stddev=stddev,
         noise_multiplier=self.noise_multiplier, sensitivity=transform.sensitivity,
@@ -426,7 +434,18 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
             "l2_norm_clip": self.l2_norm_clip,
             "target_unclipped_quantile": self.target_unclipped_quantile,
             "clip_learning_rate": self.clip_learning_rate,
-            "clipped_count_stddev": self.clipped_count_stddev}
+            "clipped_count_stddev": self.clipped_count_stddev,
+            "band_coefficients": self.band_coefficients}
+
+  @property
+  def band_coefficients(self):
+    """The banded strategy's ``(c_0, ..., c_{b-1})``, or None (independent noise)."""
+    return None if self.band_noise is None else list(self.band_noise.coefficients)
+
+  @property
+  def bands(self) -> int:
+    """``b`` of the correlated noise (1: independent noise, what the ledger records)."""
+    return 1 if self.band_noise is None else self.band_noise.bands
 
   def get_config(self):
     config = self._dp_config()
@@ -492,15 +511,17 @@ class _Named(PrivateOptimizer):
           f"so {adaptive_given} (quantile-adaptive clipping) does not apply. Use DPSGD or "
           "DPAdam (l2_norm_clip=..., target_unclipped_quantile=...) for adaptive clipping.")
     base_kwargs = {k: v for k, v in base_kwargs.items() if k not in noise_lib.ADAPTIVE_KEYS}
-    unknown = set(base_kwargs) - _BASE_KEYS
+    unknown = set(base_kwargs) - _BASE_KEYS - {"band_coefficients"}
     if unknown:
       raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(unknown)}.")
     if regularizer is None and l2_norm_clip is None:
       raise ValueError(f"{type(self).__name__} needs `{self._signature[0]}` (> 0); "
                        "`noise_multiplier` (>= 0) too, unless the model's privacy plan sets it.")
+    band_coefficients = base_kwargs.pop("band_coefficients", None)
     inner = self._inner_cls(learning_rate=learning_rate, **inner_kwargs, **base_kwargs)
     super().__init__(inner, noise_multiplier=noise_multiplier, regularizer=regularizer,
                      l2_norm_clip=l2_norm_clip, seed=seed, num_microbatches=num_microbatches,
+                     band_coefficients=band_coefficients,
                      name=name or type(self).__name__.lower(), **(adaptive_kwargs or {}))
 
   _signature = ()
@@ -510,7 +531,8 @@ class _Named(PrivateOptimizer):
     config = {k: inner[k] for k in ("learning_rate",) + self._inner_keys}
     config.update({k: inner[k] for k in _BASE_KEYS if k in inner})
     dp = self._dp_config()
-    for key in ("name", "noise_multiplier", "seed", "num_microbatches") + self._signature:
+    for key in ("name", "noise_multiplier", "seed", "num_microbatches",
+                "band_coefficients") + self._signature:
       config[key] = dp[key]
     return config
 

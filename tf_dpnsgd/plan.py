@@ -53,6 +53,7 @@ from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
+from tf_dpnsgd.correlated import sampling as correlated_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ class PrivacyPlan:
   overflow_probability: float = 1e-12
   calibration_tolerance: float = 1e-3
   releases: tuple = ()
+  bands: int = 1  # sampling="cyclic_poisson": b parts, b-banded noise (tf_dpnsgd.correlated)
 
   def __post_init__(self):
     object.__setattr__(self, "releases", tuple(
@@ -121,7 +123,7 @@ class PrivacyPlan:
       accounting.validate_target_epsilon(self.target_epsilon)
     if not self.calibration_tolerance > 0:
       raise ValueError(f"`calibration_tolerance` must be > 0; got {self.calibration_tolerance!r}.")
-    if self.sampling != "poisson" and self.max_batch_size is not None:
+    if self.sampling not in ("poisson", "cyclic_poisson") and self.max_batch_size is not None:
       raise ValueError("`max_batch_size` applies to Poisson sampling only.")
     self.spec  # validates the sampling/accountant/bound/conversion combination
     if self.num_steps == 0:
@@ -138,7 +140,7 @@ class PrivacyPlan:
   def spec(self) -> accounting.AccountingSpec:
     return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
                                 self.accountant, self.bound, self.conversion,
-                                releases=self.releases)
+                                releases=self.releases, bands=self.bands)
 
   @functools.cached_property
   def steps_per_epoch(self) -> int:
@@ -176,11 +178,11 @@ class PrivacyPlan:
   @functools.cached_property
   def sampler(self) -> sampling_lib.Sampler:
     kwargs = {}
-    if self.sampling == "poisson":
+    if self.sampling in ("poisson", "cyclic_poisson"):
       kwargs = {"max_batch_size": self.max_batch_size,
                 "overflow_probability": self.overflow_probability}
-    return sampling_lib.make_sampler(self.sampling, self.dataset_size, self.batch_size,
-                                     seed=self.seed, spec=self.spec, **kwargs)
+    return correlated_lib.make_sampler(self.sampling, self.dataset_size, self.batch_size,
+                                       seed=self.seed, spec=self.spec, **kwargs)
 
   @functools.cached_property
   def step_accountant(self) -> accounting.StepAccountant:
@@ -242,6 +244,7 @@ class PrivacyPlan:
           f"sampler (sampling, N or B) than this plan's ({self.sampling}, "
           f"N={self.dataset_size}, B={self.batch_size}); report them with the plan that "
           "drew them.")
+    notes += correlated_lib.check_ledger_noise(ledger, self.bands)
     sigma = self.training_noise_multiplier
     used = ledger.min_noise_multiplier
     if used < sigma * (1 - 1e-6):
@@ -285,7 +288,7 @@ class PrivacyPlan:
       return self.spec
     return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
                                 self.accountant, self.bound, self.conversion,
-                                releases=releases)
+                                releases=releases, bands=self.bands)
 
   def report(self, model=None) -> accounting.PrivacyReport:
     """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
@@ -492,6 +495,7 @@ class PrivacyPlan:
     if sigma is None:
       raise ValueError(f"{optimizer!r} is not a DP optimizer (no `noise_multiplier`).")
     expected = self.training_noise_multiplier
+    correlated_lib.check_optimizer_bands(optimizer, self.bands)
     if not math.isclose(float(sigma), expected, rel_tol=1e-9, abs_tol=0.0):
       raise ValueError(
           f"The optimizer's noise_multiplier ({float(sigma)!r}) differs from the plan's "
@@ -501,7 +505,7 @@ class PrivacyPlan:
       # The count query must leave room in the budget: 2 sigma_b > sigma (raises otherwise).
       accounting.gradient_noise_multiplier(
           expected, optimizer.resolved_clipped_count_stddev(self.batch_size))
-    if self.sampling == "poisson" and getattr(optimizer, "num_microbatches", None):
+    if "poisson" in self.sampling and getattr(optimizer, "num_microbatches", None):
       raise ValueError("Poisson-sampled (padded, masked) batches cannot be split into "
                        "microbatches; use num_microbatches=None.")
 

@@ -347,7 +347,7 @@ class Sampler:
         index_stream, output_signature=(tf.TensorSpec([None], tf.int64),
                                         tf.TensorSpec([None, rows], tf.int64),
                                         tf.TensorSpec([None, rows], tf.bool))).unbatch()
-    with_mask = self.sampling == "poisson" or padded != self._rows_per_element
+    with_mask = isinstance(self, PoissonSampler) or padded != self._rows_per_element
     denominator = float(self.denominator) if with_mask else None
 
     kind = ledger_lib.KIND_CODES[self.sampling]

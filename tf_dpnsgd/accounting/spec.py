@@ -59,13 +59,14 @@ from tf_dpnsgd.accounting.validation import (AccountingError, UnsupportedAccount
 
 NeighboringRelation = dp_accounting.NeighboringRelation
 
-SAMPLINGS = ("poisson", "uniform", "shuffle")
+SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")
 ACCOUNTANTS = ("rdp", "pld")
 BOUNDS = ("default", "paper", "min")
 CONVERSIONS = ("modern", "classic")
 
 NEIGHBORING_RELATIONS = {
     "poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "cyclic_poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,
     "uniform": NeighboringRelation.REPLACE_ONE,
     "shuffle": NeighboringRelation.REPLACE_ONE,
 }
@@ -127,9 +128,11 @@ class AccountingSpec:
   conversion: str = "modern"
   orders: Optional[tuple] = None
   releases: tuple = ()
+  bands: int = 1  # cyclic_poisson: b parts, b-banded correlated noise (docs/correlated_noise.md)
 
   def __post_init__(self):
     validate_dataset_and_batch(self.dataset_size, self.batch_size)
+    _validate_bands(self.sampling, self.bands, self.dataset_size, self.batch_size)
     _validate_choice("sampling", self.sampling, SAMPLINGS)
     _validate_choice("accountant", self.accountant, ACCOUNTANTS)
     _validate_choice("bound", self.bound, BOUNDS)
@@ -172,8 +175,8 @@ class AccountingSpec:
   # --- derived quantities ------------------------------------------------
   @property
   def sampling_rate(self) -> float:
-    """``q = B / N``."""
-    return self.batch_size / self.dataset_size
+    """``q = B / N`` (cyclic Poisson: ``q_b = B / (N / b)``, the rate within a part)."""
+    return self.bands * self.batch_size / self.dataset_size
 
   @property
   def neighboring_relation(self) -> NeighboringRelation:
@@ -199,6 +202,8 @@ class AccountingSpec:
     steps = validate_steps(steps)
     if self.sampling == "shuffle":
       return -(-steps // self.steps_per_epoch)
+    if self.sampling == "cyclic_poisson":  # each example's part runs every b-th step
+      return -(-steps // self.bands)
     return steps
 
   def accountant_noise_multiplier(self, noise_multiplier: float) -> float:
@@ -217,7 +222,7 @@ class AccountingSpec:
     """The dp-accounting event of ONE composition (a step; an epoch for shuffling)."""
     m = self.accountant_noise_multiplier(noise_multiplier)
     gaussian = dp_accounting.GaussianDpEvent(m)
-    if self.sampling == "poisson":
+    if self.sampling in ("poisson", "cyclic_poisson"):
       return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
     if self.sampling == "uniform":
       return dp_accounting.SampledWithoutReplacementDpEvent(
@@ -263,6 +268,12 @@ class AccountingSpec:
         "uniform": f"Each step draws a fresh uniformly random subset of exactly B = "
                    f"{self.batch_size} of N = {self.dataset_size} examples, without "
                    "replacement, independently across steps.",
+        "cyclic_poisson": f"Cyclic Poisson sampling (b-min-separation, b = {self.bands}): a "
+                          "secret permutation splits the data into b parts; step t includes "
+                          "each example of part t mod b w.p. q_b = bB/N = "
+                          f"{self.sampling_rate:.6g}; with b-banded correlated noise of "
+                          "sensitivity 1 per participation, accounted as DP-SGD at q_b over "
+                          "ceil(steps / b) steps (Choquette-Choo et al. 2023, Thm. 4).",
         "shuffle": f"Each epoch is a random permutation cut into {self.steps_per_epoch} "
                    "disjoint batches (each example at most once per epoch). NO amplification "
                    "by subsampling is proven for shuffling, so none is claimed: every epoch is "
@@ -306,12 +317,24 @@ class AccountingSpec:
     return out
 
 
+def _validate_bands(sampling, bands, dataset_size, batch_size) -> None:
+  if isinstance(bands, bool) or not isinstance(bands, (int, np.integer)) or bands < 1:
+    raise AccountingError(f"`bands` must be a positive integer; got {bands!r}.")
+  if bands != 1 and sampling != "cyclic_poisson":
+    raise UnsupportedAccountingError(
+        f"bands={bands} (correlated noise) is accounted only with sampling='cyclic_poisson' "
+        f"(b-min-separation); got sampling={sampling!r}.")
+  if bands * batch_size > dataset_size:
+    raise AccountingError(f"cyclic Poisson sampling needs b * B <= N (rate q_b = bB/N <= 1); "
+                          f"got b={bands}, B={batch_size}, N={dataset_size}.")
+
+
 def make_spec(dataset_size, batch_size, sampling, accountant="rdp", bound="default",
-              conversion="modern", orders=None, releases=()) -> AccountingSpec:
+              conversion="modern", orders=None, releases=(), bands=1) -> AccountingSpec:
   return AccountingSpec(dataset_size=dataset_size, batch_size=batch_size, sampling=sampling,
                         accountant=accountant, bound=bound, conversion=conversion,
                         orders=None if orders is None else tuple(orders),
-                        releases=tuple(releases))
+                        releases=tuple(releases), bands=bands)
 
 
 __all__ = ["ACCOUNTANTS", "AccountingSpec", "BOUNDS", "CONVERSIONS", "DEFAULT_ORDERS",

@@ -96,7 +96,7 @@ def dp_step(model, x, y, mask, denominator, tags, num_microbatches):
     # count queries together, tf_dpnsgd.accounting.adaptive) is what the plan accounts;
     # adaptive clipping's count noise and clip go to the ledger too (the report reads them).
     ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None,
-                  adaptive=released)
+                  adaptive=released, bands=getattr(optimizer, "bands", 1))
   return out, reg_loss
 
 

@@ -1,0 +1,156 @@
+"""Cyclic Poisson sampling (b-min-separation) and the checks that bind correlated noise.
+
+:class:`CyclicPoissonSampler`: a secret seeded permutation splits the ``N``
+examples into ``b`` parts (sizes differ by at most one); step ``t`` includes
+each example of part ``t mod b`` independently with probability
+``q_b = B / (N / b) = bB/N`` (expected batch size ``B``, padded and masked
+like :class:`tf_dpnsgd.sampling.PoissonSampler`, divided by the constant
+``B``). An example can take part only in steps ``b`` apart: with a
+``b``-banded strategy of unit column norm (:mod:`tf_dpnsgd.correlated.strategy`)
+its participations touch disjoint coordinates of ``C x``.
+
+Accounting (Choquette-Choo et al. 2023, Thm. 4; the partition is conditioned
+on, as there): the banded mechanism with this sampling is dominated by DP-SGD
+with Poisson sampling at rate ``q_b`` and noise multiplier ``sigma`` composed
+``ceil(T / b)`` times: ``SelfComposed(PoissonSampled(q_b, Gaussian(sigma)),
+ceil(T / b))`` (:class:`tf_dpnsgd.accounting.AccountingSpec` with
+``sampling="cyclic_poisson"``, ``bands=b``). ``b = 1`` is Poisson sampling.
+
+Fail closed: the plan (``PrivacyPlan(sampling="cyclic_poisson", bands=b)``),
+the optimizer (``band_coefficients`` of length ``b``) and the ledger (which
+records the ``b`` of every step's noise, :attr:`tf_dpnsgd.ledger.PrivacyLedger.noise_bands`)
+must agree: :func:`check_optimizer_bands`, :func:`check_ledger_noise`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import numpy as np
+
+from tf_dpnsgd import accounting
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import sampling as sampling_lib
+
+_TAG = 0xC1C1  # this sampler's streams (the Poisson draws of each step)
+_PERMUTATION_TAG = 0xC1C2  # the secret partition
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampler(sampling_lib.PoissonSampler):
+  """Poisson sampling within part ``t mod b`` of a secret partition (see the module doc).
+
+  Attributes:
+    bands: ``b``, the number of parts (the minimum separation of an example's steps).
+
+  Formal guarantee: realises ``PoissonSampledDpEvent(bB/N, Gaussian)`` once per ``b``
+  steps per example (``ceil(T / b)`` compositions) for a ``b``-banded strategy of unit
+  column norm; a batch that does not fit ``max_batch_size`` raises.
+  """
+
+  bands: int = 1
+
+  sampling: ClassVar[str] = "cyclic_poisson"
+
+  def __post_init__(self):
+    b = self.bands
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 \
+        or b * self.batch_size > self.dataset_size:
+      raise ValueError(f"`bands` must be an integer in [1, N / B]; got {b!r}.")
+    if self.spec is not None and self.spec.bands != b:
+      raise ValueError(f"`spec` accounts for bands={self.spec.bands}, this sampler draws {b}.")
+    if self.max_batch_size is None:  # a part has at most ceil(N / b) examples
+      object.__setattr__(self, "max_batch_size", sampling_lib.poisson_max_batch_size(
+          -(-self.dataset_size // b), self.sampling_rate, self.overflow_probability))
+    super().__post_init__()
+
+  @property
+  def sampling_rate(self) -> float:
+    """``q_b = bB / N``, the rate within a part."""
+    return self.bands * self.batch_size / self.dataset_size
+
+  @property
+  def denominator(self) -> float:
+    """``B``, the expected batch size (``q_b`` times the part size ``N / b``)."""
+    return float(self.batch_size)
+
+  @property
+  def fingerprint(self) -> int:
+    return ledger_lib.sampler_fingerprint(f"cyclic_poisson/{self.bands}", self.dataset_size,
+                                          self.batch_size)
+
+  def accounting_spec(self, accountant=None, bound=None, conversion=None, orders=None):
+    if self.spec is None:
+      changes = {k: v for k, v in (("accountant", accountant), ("bound", bound),
+                                   ("conversion", conversion), ("orders", orders))
+                 if v is not None}
+      return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
+                                  bands=self.bands, **changes)
+    return super().accounting_spec(accountant, bound, conversion, orders)
+
+  def _rng(self, counter: int) -> np.random.Generator:
+    return np.random.default_rng([self.seed, _TAG, int(counter)])
+
+  def part(self, index: int) -> np.ndarray:
+    """Sorted example indices of part ``index`` (of the secret permutation)."""
+    cache = self.__dict__.get("_parts")
+    if cache is None:
+      perm = np.random.default_rng([self.seed, _PERMUTATION_TAG]).permutation(self.dataset_size)
+      cache = [np.sort(perm[p::self.bands]) for p in range(self.bands)]
+      self.__dict__["_parts"] = cache  # a memo of a pure function; the sampler stays frozen
+    return cache[int(index)]
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    members = self.part(step % self.bands)
+    return members[self._rng(step).random(members.size) < self.sampling_rate]
+
+
+def make_sampler(sampling: str, dataset_size: int, batch_size: int,
+                 seed: Optional[int] = None, **kwargs) -> sampling_lib.Sampler:
+  """:func:`tf_dpnsgd.sampling.make_sampler`, and ``"cyclic_poisson"`` (``bands`` from the
+  ``spec`` keyword)."""
+  if sampling != "cyclic_poisson":
+    return sampling_lib.make_sampler(sampling, dataset_size, batch_size, seed=seed, **kwargs)
+  spec = kwargs.get("spec")
+  kwargs.setdefault("bands", 1 if spec is None else spec.bands)
+  return CyclicPoissonSampler(dataset_size=dataset_size, batch_size=batch_size, seed=seed,
+                              **kwargs)
+
+
+def check_optimizer_bands(optimizer, bands: int) -> None:
+  """Raises ``ValueError`` unless ``optimizer``'s noise has the plan's ``b`` (1: independent)."""
+  used = getattr(optimizer, "bands", 1)
+  if used != bands:
+    raise ValueError(
+        f"The optimizer adds noise with b = {used} bands but the plan accounts for b = {bands} "
+        "(1: independent noise): give the optimizer band_coefficients=tf_dpnsgd.correlated."
+        "noise.bandmf(plan.num_steps, plan.bands), or a plan with sampling='cyclic_poisson' "
+        "and bands equal to the optimizer's.")
+
+
+def check_ledger_noise(ledger, bands: int) -> list:
+  """Raises :class:`~tf_dpnsgd.ledger.LedgerMismatchError` unless every step in ``ledger``
+  used noise of the plan's ``b``; returns notes for the report."""
+  recorded = ledger.noise_bands
+  if recorded != bands:
+    what = "steps with different b" if recorded < 0 else f"b = {recorded}"
+    raise ledger_lib.LedgerMismatchError(
+        f"The model's privacy ledger holds steps whose noise had {what} (1: independent), but "
+        f"this plan accounts for b = {bands}: correlated and independent noise (or two "
+        "bands) cannot be mixed in one model's history.")
+  if bands == 1:
+    return []
+  notes = [f"Correlated noise: a {bands}-banded matrix factorization (BandMF) with cyclic "
+           "Poisson sampling, accounted as DP-SGD over ceil(steps / b) steps "
+           "(Choquette-Choo et al. 2023, Thm. 4)."]
+  if ledger.noise_generation:
+    notes.append(f"The ledger was rolled back {ledger.noise_generation} time(s); the "
+                 "correlated stream refuses to continue after a rollback (its steps since "
+                 "are NaN-noised and refused), so every accounted step is of one stream.")
+  return notes
+
+
+__all__ = ["CyclicPoissonSampler", "check_ledger_noise", "check_optimizer_bands",
+           "make_sampler"]
