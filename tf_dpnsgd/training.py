@@ -756,8 +756,8 @@ class DPModel(_DPTrainer, keras.Model):
       engine may spend on per-example tensors held between its norms and its
       weighted sum: book-keeping's output gradients, then per-example weight
       gradients (faster for sequence models); ``per_example="auto"`` runs two
-      passes (about a plain step's memory) where the output gradients alone
-      exceed it, 0 always; default
+      passes (aimed at a plain step's memory; not there yet) where the output
+      gradients alone exceed it, 0 always; default
       :data:`~tf_dpnsgd.per_example.factored.KEEP_BYTES` (see
       ``docs/per_example.md``, "Memory").
 

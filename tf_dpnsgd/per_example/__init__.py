@@ -17,8 +17,8 @@ Engines (``per_example=`` on ``DPModel`` / ``make_private``):
     layer's output gradient until all norms exist. Needs a rule
     (:mod:`registry`) for every layer holding trainable variables.
   * ``"two_pass"``: :func:`layerwise.two_pass_engine`, the same rules in two
-    forward and backward passes (norms, then the weighted sum): about a plain
-    step's memory for one more pass of time.
+    forward and backward passes (norms, then the weighted sum): aimed at a plain
+    step's memory for one more pass of time (measured: not yet there).
   * ``"vectorized"``: :func:`vectorized.vectorized_engine`, per-example
     gradients with ``tf.vectorized_map`` (any model whose ops pfor supports).
   * ``"microbatch"``: :func:`microbatch.microbatch_engine`, a loop over units

@@ -424,7 +424,7 @@ def choose_mode(model, mode: str, held, budget: int, random_ops=()) -> str:
     _log.info(
         "per_example='auto' uses %s for model '%s': book-keeping would hold %s of per-example "
         "output gradients at this batch size, %s the budget of %s (keep_per_example_mib).",
-        "two passes (a second forward and backward pass, about a plain step's memory)"
+        "two passes (a second forward and backward pass, less memory, measured: not yet a plain step's)"
         if over else "book-keeping (one backward pass)",
         model.name, _mib(held), "over" if over else "within", _mib(budget))
     if not over:
@@ -623,7 +623,7 @@ def _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first_reps,
 @tf.autograph.experimental.do_not_convert
 def two_pass_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
                     registry=None, keep_bytes=None) -> EngineOutput:
-  """:func:`layerwise_engine` with ``mode="two_pass"``: plain-step memory, a second pass.
+  """:func:`layerwise_engine` with ``mode="two_pass"``: a second pass instead of held gradients.
 
   ``per_example="two_pass"``. Norms from a first forward and backward pass
   (ghost or materialised per layer, certified as in book-keeping, nothing kept),
