@@ -331,6 +331,8 @@ class StepReporter(keras.callbacks.Callback):
     clock, print_fn: for tests.
   """
 
+  dp_observes_only = True  # it prints; it never changes training (tf_dpnsgd.coverage)
+
   def __init__(self, start_step: int, total_steps: int, plan=None, every_s: float = 30.0,
                slow_step_s: float = 2.0, clock=None, print_fn=None):
     super().__init__()
