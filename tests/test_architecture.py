@@ -55,6 +55,9 @@ LONG_MODULES = {
                                "mechanism itself is in noise.py)",
     "tf_dpnsgd/per_example/factored.py": "each gradient representation keeps its norm, its "
                                          "rounding bound and its float64 recomputation together",
+    "tf_dpnsgd/per_example/layerwise.py": "the capture, backward, norms and both weighted-sum "
+                                          "modes (book-keeping, two passes) share one "
+                                          "capture's state",
     "tf_dpnsgd/ledger.py": "the ledger's entries, save hooks, forward-only restore (with the "
                            "merge of releases) and host checks are one unit of state",
 }

@@ -1,5 +1,8 @@
 """The layer-wise engine: per-example norms and the weighted sum from one forward/backward.
 
+This module is long (about 630 lines): the capture, the backward, the norms and
+both weighted-sum modes (book-keeping, two passes) share one capture's state.
+
 DP-NSGD and DP-SGD need each unit's gradient norm ``||g_u||`` and then
 ``sum_u h_u g_u``, not the per-unit gradients themselves. For the layers with
 a rule in :mod:`tf_dpnsgd.per_example.registry` both follow from each layer's
