@@ -112,6 +112,7 @@ def test_bucketed_chunks_give_the_same_contributions_on_a_tiny_bert(graph):
                                atol=1e-6 * (1 + np.abs(b.numpy()).max()))
 
 
+@pytest.mark.slow
 def test_make_private_length_key_trains_exactly_as_without_it():
   """The user-facing option: ``make_private(..., length_key="padding_mask")``; one DP step
   (noise 0) gives the same weights as the uncut chunked step, and the option survives a
