@@ -172,9 +172,7 @@ def run_config(name, xla, precision, smoke, steps, warmup):
     private.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.01, regularizer=0.01,
                                                noise_multiplier=1.0),
                     loss=loss, jit_compile=xla)
-    names = {fn: n for n, fn in tf_dpnsgd.per_example.ENGINES.items()}
-    engine = getattr(private._dp_engine, "dense_engine", private._dp_engine)  # auto's choice
-    row["engine"] = names.get(engine, "?")
+    row["engine"] = tf_dpnsgd.per_example.engine_name(private._dp_engine)  # auto's choice
     models["dp"] = private
   except Exception as exc:  # noqa: BLE001
     row["dp_error"] = classify(exc)

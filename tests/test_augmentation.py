@@ -333,7 +333,9 @@ def test_cifar10_launcher_augmentations_are_per_example():
   """The launcher's augment functions through the sampler: float32 rows, each a crop and flip
   of its own example only (oracle: example i's pixels are the values 10 i + 1 ... 10 i + 9, so
   a row's nonzero values name the examples it came from)."""
-  from tf_dpnsgd.launch import cifar10 as launcher  # pylint: disable=import-outside-toplevel
+  # The launcher's augment functions live in the library (importing a launcher defines its
+  # absl flags, which a pytest worker may already hold from another launcher).
+  from tf_dpnsgd.data import cifar10 as launcher  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(3)
   images = np.stack([rng.integers(10 * i + 1, 10 * i + 10, size=(8, 8, 3))
                      for i in range(N)]).astype(np.uint8)

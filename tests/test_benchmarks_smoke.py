@@ -45,7 +45,7 @@ def test_gpu_benchmark_smoke_mode_prints_every_row_without_errors():
   for key, r in step_rows.items():
     if not r[col["DP-NSGD step ms"]].startswith("refused"):
       assert float(r[col["DP-NSGD step ms"]]) > 0 and r[col["engine"]] in (
-          "layerwise", "vectorized", "microbatch"), (key, r)
+          "layerwise", "layerwise (auto)", "two_pass", "vectorized", "microbatch"), (key, r)
       assert float(r[col["plain step ms"]]) > 0 and r[col["ratio"]].endswith("x"), (key, r)
   cifar = [r for r in rows if r[col["model"]].startswith("CIFAR")]
   assert len(cifar) == 1, rows

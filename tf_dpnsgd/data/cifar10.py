@@ -468,8 +468,21 @@ def augment_dataset(dataset, seed, padding=4):
                                                    deterministic=True)
 
 
-__all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL", "CLASS_NAMES", "IMAGE_SHAPE",
-           "NUM_CLASSES", "PixelNormalization", "augment_dataset", "channel_stats", "count_images",
-           "find_batches_dir", "is_image_folder", "list_image_folder", "load_cifar10",
-           "normalize", "random_crop_flip", "read_batch", "read_batches_dir",
-           "read_image_folder", "with_normalization"]
+def pixels_to_float(x, y, seed=None):  # pylint: disable=unused-argument
+  """One example's inputs as float32 (uint8 pixels, float16 features: exact); a per-example
+  augmentation (``augment=``, :mod:`tf_dpnsgd.augmentation`) that uses no randomness."""
+  return tf.cast(x, tf.float32)
+
+
+def crop_flip_to_float(x, y, seed):
+  """One image as float32, zero-padded by 4 pixels, randomly cropped back and flipped
+  (:func:`random_crop_flip`, stateless: the sampler's seed for this
+  example, step and view)."""
+  return random_crop_flip(pixels_to_float(x, y), seed)
+
+
+__all__ = ["augment_dataset", "channel_stats", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL",
+           "CLASS_NAMES", "count_images", "crop_flip_to_float", "find_batches_dir", "IMAGE_SHAPE",
+           "is_image_folder", "list_image_folder", "load_cifar10", "normalize", "NUM_CLASSES",
+           "PixelNormalization", "pixels_to_float", "random_crop_flip", "read_batch",
+           "read_batches_dir", "read_image_folder", "with_normalization"]

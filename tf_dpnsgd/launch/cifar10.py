@@ -112,19 +112,6 @@ def planned_dataset_size(flag_values) -> int:
   return min(n, flag_values.max_train_examples or n)
 
 
-def pixels_to_float(x, y, seed=None):  # pylint: disable=unused-argument
-  """One example's inputs as float32 (uint8 pixels, float16 features: exact); a per-example
-  augmentation (``augment=``, :mod:`tf_dpnsgd.augmentation`) that uses no randomness."""
-  return tf.cast(x, tf.float32)
-
-
-def crop_flip_to_float(x, y, seed):
-  """One image as float32, zero-padded by 4 pixels, randomly cropped back and flipped
-  (:func:`tf_dpnsgd.data.cifar10.random_crop_flip`, stateless: the sampler's seed for this
-  example, step and view)."""
-  return cifar_lib.random_crop_flip(pixels_to_float(x, y), seed)
-
-
 def extract_features(extractor, images, batch_size: int = 250, log_every: int = 10000,
                      dtype=np.float16):
   """``extractor`` over ``images`` in batches, as a NumPy array of ``dtype`` (float16:
@@ -254,7 +241,7 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
     return cifar_lib.with_normalization(models.resnet20(groups=FLAGS.groups), name="resnet20_gn")
 
   # Per example, inside the sampler (seeds from the sampler's: fresh each step and example).
-  augment_fn = crop_flip_to_float if FLAGS.augment else pixels_to_float
+  augment_fn = cifar_lib.crop_flip_to_float if FLAGS.augment else cifar_lib.pixels_to_float
 
   def export_fn(model, export_dir):
     export_lib.export_image_classifier(model, export_dir, mean=None, std=None)
@@ -364,7 +351,7 @@ def _run_scatter(cfg, FLAGS, train, test, loss):
   record = common.run_experiment(cfg, build_model, (f_train, y_train),
                                  (f_test.astype(np.float32), y_test), loss=loss,
                                  metrics=metrics, export_fn=export_fn,
-                                 augment_fn=pixels_to_float, extra_report=extra)
+                                 augment_fn=cifar_lib.pixels_to_float, extra_report=extra)
   if cfg.export_dir and os.path.isdir(cfg.export_dir):
     accuracy = check_export(cfg.export_dir, x_test, y_test)
     print(f"export check: accuracy {accuracy:.4f} on raw test images "

@@ -171,6 +171,22 @@ def validate_keep_mib(mib):
   return mib
 
 
+def engine_name(engine) -> str:
+  """The name (a key of :data:`ENGINES`) of a resolved engine: ``resolve_engine``'s result
+  unwrapped from its keep budget (a ``functools.partial``) and ``auto``'s ragged routing;
+  ``"layerwise (auto)"`` when the layer-wise engine picks its mode per batch; ``"?"`` for a
+  function that is not one of the package's engines."""
+  engine = getattr(engine, "dense_engine", engine)
+  mode = None
+  while isinstance(engine, functools.partial):
+    mode = engine.keywords.get("mode", mode)
+    engine = engine.func
+  names = {fn: name for name, fn in ENGINES.items()}
+  name = names.get(engine, "?")
+  return f"{name} ({mode})" if name == "layerwise" and mode not in (None, "bookkeeping") \
+      else name
+
+
 def _with_keep_budget(engine, keep_mib, **kwargs):
   """``engine`` with the layer-wise engines' keep budget bound (other engines ignore it)."""
   if engine not in _LAYERWISE or (keep_mib is None and not kwargs):
@@ -226,6 +242,7 @@ def resolve_engine(model, name: str, keep_mib=None):
 
 
 __all__ = ["DEFAULT_REGISTRY", "EngineOutput", "ENGINES", "ENGINE_NAMES", "LayerRule",
-           "UnsupportedLayerError", "check_vectorized", "choose_engine", "layerwise_engine",
+           "UnsupportedLayerError", "check_vectorized", "choose_engine", "engine_name",
+           "layerwise_engine",
            "microbatch_engine", "registry", "resolve_engine", "two_pass_engine",
            "validate_engine_name", "validate_keep_mib", "vectorized_engine"]
