@@ -109,12 +109,7 @@ def test_einsum_dense_lora_with_trainable_base_kernel_matches_loop():
 
 
 def test_multi_head_attention_lora_on_query_and_value():
-  inputs = keras.Input((4, 6))
-  mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
-  h = mha(inputs, inputs)
-  model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
-  for dense in (mha._query_dense, mha._value_dense):
-    enable_lora(dense)
+  model = _mha_lora_model()
   assert len(_lora_variables(model)) == 4
   assert choose_engine(model)[0] == "layerwise"
   assert_matches_loop(model, _float((3, 4, 6)), labels(3))
