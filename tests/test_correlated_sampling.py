@@ -138,3 +138,27 @@ def test_optimizer_and_ledger_must_match_the_plan():
   assert ledger.noise_bands == 1
   with pytest.raises(ledger_lib.LedgerMismatchError, match="cannot be mixed"):
     cs.check_ledger_noise(ledger, 2)
+
+
+@pytest.mark.slow
+def test_a_rollback_cannot_continue_the_correlated_stream_and_nothing_runs(tmp_path):
+  """load_weights of an earlier checkpoint moves the ledger's noise generation: the banded
+  buffers no longer continue it, and the host refuses the next step before any op runs
+  (the in-graph assertion alone would vanish under XLA, leaving NaN noise)."""
+  x, y = _data()
+  plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2,
+                     steps=6, noise_multiplier=1.0, delta=1e-5, seed=1)
+  model = _model(plan, list(cn.bandmf(6, 2)))
+  _fit(model, plan, x, y, 1)
+  early = str(tmp_path / "early.weights.h5")
+  model.save_weights(early)
+  _fit(model, plan, x, y, 2)
+  model.load_weights(early)  # a rollback: the ledger keeps 3 steps, new noise generation
+  ledger = ledger_lib.ledger_of(model)
+  assert ledger.steps == 3 and ledger.noise_generation == 1
+  before = [w.copy() for w in model.get_weights()]
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="do not continue"):
+    _fit(model, plan, x, y, 1)
+  assert ledger.steps == 3
+  for a, b in zip(before, model.get_weights()):
+    np.testing.assert_array_equal(a, b)

@@ -186,6 +186,24 @@ def _take(iterator, count):
   return batches
 
 
+def _check_correlated_noise(model, ledger) -> None:
+  """Correlated noise (:mod:`tf_dpnsgd.correlated`): the optimizer's buffers must continue
+  the ledger's ``[lineage, generation, step]`` (a rollback, a reloaded model whose optimizer
+  state was not restored, or a new optimizer mid-run cannot continue the banded stream).
+  Checked on the host before the step: nothing runs, nothing is counted."""
+  band = getattr(getattr(model, "optimizer", None), "band_noise", None)
+  if band is None:
+    return
+  stream = (ledger.lineage, ledger.noise_generation, ledger.steps)
+  if not band.host_continues(stream):
+    raise ledger_lib.LedgerMismatchError(
+        "tf_dpnsgd: the correlated-noise buffers of the optimizer do not continue the model's "
+        f"privacy ledger (at step {ledger.steps}, noise generation {ledger.noise_generation}): "
+        "after a rollback, a reload without the optimizer's state, or with a new optimizer "
+        "mid-run, the banded mechanism cannot continue. Restore the optimizer state saved "
+        "with the ledger (model.save / load_model), or train a new model.")
+
+
 def _build_and_choose_engine(model, data) -> None:
   """A subclassed model compiled before it was built: build it on the first batch's
   features (a forward pass, nothing trained), then choose the per-example engine."""
@@ -216,6 +234,7 @@ def wrap(model, main):
     if state.fit_checks_pending:
       _check_workers(strategy, ledger, summaries[0])
       state.fit_checks_pending = False
+    _check_correlated_noise(model, ledger)
     allowed, hint, vouched = state.untagged_allowed(model)
     for offset, summary in enumerate(summaries):
       ledger.check_batch(summary, offset, untagged_allowed=allowed, untagged_hint=hint)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpnsgd import noise as noise_lib
@@ -103,6 +104,15 @@ class BandedNoise:
     stream = tf.cast(stream, tf.int64)
     fresh = tf.reduce_all(tf.equal(self.position, FRESH)) & tf.equal(stream[-1], 0)
     return fresh | tf.reduce_all(tf.equal(self.position, stream))
+
+  def host_continues(self, stream) -> bool:
+    """:meth:`continues` on the host, for the guard's check before a step (eager; the
+    in-graph check of :meth:`privatize` stays, but XLA drops assertions)."""
+    if self.position is None:  # not built: the first step builds fresh buffers
+      return int(stream[-1]) == 0
+    position = [int(v) for v in np.asarray(self.position.numpy())]
+    stream = [int(v) for v in stream]
+    return (all(p == FRESH for p in position) and stream[-1] == 0) or position == stream
 
   def privatize(self, summed, denominator, *, key, step, stddev, user_seeded) -> list:
     """``(summed + stddev * w_t) / D``; advances the buffers to step ``t + 1``.
