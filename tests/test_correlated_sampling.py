@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tf_dpnsgd
+from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.correlated import noise as cn
 from tf_dpnsgd.correlated import sampling as cs
@@ -162,3 +163,41 @@ def test_a_rollback_cannot_continue_the_correlated_stream_and_nothing_runs(tmp_p
   assert ledger.steps == 3
   for a, b in zip(before, model.get_weights()):
     np.testing.assert_array_equal(a, b)
+
+
+def test_make_private_noise_bandmf_one_call(tmp_path):
+  """make_private(..., noise="bandmf", bands=b): cyclic Poisson batches, the plan's
+  optimized strategy handed to the optimizer at compile, epsilon = dp-accounting's
+  PoissonSampled(q_b) x ceil(T / b) (the oracle built here), and the model round-trips."""
+  x, y = _data()
+  inputs = keras.Input((4,))
+  model = tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)),
+                                 noise_multiplier=1.2, delta=1e-5, batch_size=8, steps=6,
+                                 noise="bandmf", bands=2)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1, momentum=0.9),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(x, y, verbose=0)
+  plan = model.privacy_plan
+  assert plan.sampling == "cyclic_poisson" and plan.bands == 2
+  np.testing.assert_allclose(model.optimizer.band_coefficients, cn.bandmf(6, 2, 0.9))
+  assert ledger_lib.ledger_of(model).steps == 6
+  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  acc.compose(dp_accounting.PoissonSampledDpEvent(2 * 8 / 64, dp_accounting.GaussianDpEvent(1.2)),
+              3)
+  assert model.privacy_report().epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  assert loaded.optimizer.bands == 2 and ledger_lib.ledger_of(loaded).steps == 6
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise="bandmf", bands=1), "bands"),
+    (dict(noise="bandmf", bands=4, sampling="poisson"), "cyclic Poisson"),
+    (dict(noise="fancy", bands=4), "noise"),
+    (dict(bands=4), "noise='bandmf'")])
+def test_make_private_noise_refusals(kwargs, match):
+  inputs = keras.Input((4,))
+  with pytest.raises(ValueError, match=match):
+    tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)),
+                           noise_multiplier=1.0, delta=1e-5, batch_size=8, steps=6, **kwargs)

@@ -164,6 +164,39 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       noise_lib.gradient_noise_multiplier(sigma, self._clipped_count_stddev)  # may raise
     self.noise_multiplier = sigma
 
+  def take_band_coefficients(self, coefficients) -> None:
+    """Sets the banded strategy from the model's privacy plan (correlated noise,
+    ``make_private(..., noise="bandmf", bands=b)``); one already given must agree.
+
+    Raises:
+      ValueError: other coefficients were given (or saved with the optimizer: e.g. a plan
+        extended to more steps, whose optimized strategy differs), or the optimizer was
+        already built with independent noise.
+    """
+    coefficients = _correlated.validate_coefficients(coefficients)
+    if self.band_noise is not None:
+      if len(self.band_noise.coefficients) != len(coefficients) or not all(
+          math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+          for a, b in zip(self.band_noise.coefficients, coefficients)):
+        raise ValueError(
+            "The optimizer's band_coefficients differ from the model's privacy plan's banded "
+            "strategy (computed for the plan's steps and bands): the correlated stream would "
+            "not be the planned mechanism. Leave band_coefficients unset; a plan extended to "
+            "more steps cannot continue a correlated-noise run.")
+      return
+    if self.built:
+      raise ValueError("The optimizer was built with independent noise; compile the model "
+                       "with a new optimizer to take the plan's correlated noise.")
+    self.band_noise = _correlated.banded_noise(coefficients, self.adaptive_clip)
+
+  def take_plan_bands(self, num_steps: int, bands: int) -> None:
+    """:meth:`take_band_coefficients` of the strategy optimized for a plan's ``num_steps``
+    and ``bands`` and this optimizer's momentum (0 where it has none: the strategy is then
+    optimized for plain prefix sums; any normalized strategy is equally private)."""
+    momentum = getattr(self.inner_optimizer, "momentum", 0.0)
+    momentum = float(momentum) if isinstance(momentum, (int, float)) else 0.0
+    self.take_band_coefficients(_correlated.bandmf(int(num_steps), int(bands), momentum))
+
   def _require_noise_multiplier(self) -> float:
     if self.noise_multiplier is None:
       raise ValueError(

@@ -60,6 +60,7 @@ class PlanRequest:
   sampling: str = "poisson"
   accountant: str = "rdp"
   dataset_size: Optional[int] = None
+  bands: int = 1  # > 1: correlated noise (BandMF) with cyclic Poisson sampling
 
   def __post_init__(self):
     if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -75,10 +76,36 @@ class PlanRequest:
                                 sampling=self.sampling, delta=self.delta, steps=self.steps,
                                 epochs=self.epochs, noise_multiplier=self.noise_multiplier,
                                 target_epsilon=self.target_epsilon, accountant=self.accountant,
-                                seed=seed)
+                                bands=self.bands, seed=seed)
 
   def to_config(self) -> dict:
     return dataclasses.asdict(self)
+
+
+NOISE_MECHANISMS = ("independent", "bandmf")
+
+
+def noise_mechanism(noise, bands, sampling):
+  """``(sampling, bands)`` of ``make_private``'s ``noise=``/``bands=`` (None: unchanged).
+
+  >>> noise_mechanism("bandmf", 4, None)
+  ('cyclic_poisson', 4)
+  >>> noise_mechanism(None, None, "poisson")
+  ('poisson', None)
+  """
+  if noise is None or noise == "independent":
+    if bands not in (None, 1):
+      raise ValueError(f"`bands={bands!r}` needs noise='bandmf' (correlated noise).")
+    return sampling, None
+  if noise != "bandmf":
+    raise ValueError(f"`noise` must be one of {NOISE_MECHANISMS}; got {noise!r}.")
+  if isinstance(bands, bool) or not isinstance(bands, int) or bands < 2:
+    raise ValueError(f"noise='bandmf' needs an int `bands` >= 2 (bands=1 is independent "
+                     f"noise); got {bands!r}.")
+  if sampling not in (None, "cyclic_poisson"):
+    raise ValueError(f"noise='bandmf' is analysed under cyclic Poisson sampling (each example "
+                     f"at most once every `bands` steps); got sampling={sampling!r}.")
+  return "cyclic_poisson", bands
 
 
 def request_of(plan=None, **keywords):
@@ -91,7 +118,7 @@ def request_of(plan=None, **keywords):
     if not isinstance(plan, plan_lib.PrivacyPlan):
       raise TypeError(f"`plan` must be a tf_dpnsgd.PrivacyPlan; got {plan!r}.")
     return plan
-  privacy = {k: v for k, v in given.items() if k != "sampling" and k != "accountant"}
+  privacy = {k: v for k, v in given.items() if k not in ("sampling", "accountant", "bands")}
   if not privacy:
     return None
   missing = [k for k in ("delta", "batch_size") if k not in given]

@@ -390,6 +390,8 @@ class _DPTrainer:
     if self._dp_plan is None or getattr(self, "optimizer", None) is None:
       return
     self.optimizer.take_noise_multiplier(self._dp_plan.training_noise_multiplier)
+    if self._dp_plan.bands > 1:  # correlated noise: the plan's banded strategy
+      self.optimizer.take_plan_bands(self._dp_plan.num_steps, self._dp_plan.bands)
     self._dp_plan.check_optimizer(self.optimizer)
 
   @property
@@ -850,7 +852,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
                  epochs=None, steps=None, sampling=None, accountant=None,
                  dataset_size=None, plan=None, keep_per_example_mib=None,
-                 length_key=None) -> keras.Model:
+                 length_key=None, noise=None, bands=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -888,6 +890,11 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     keep_per_example_mib: the layer-wise engine's memory budget for held
       per-example tensors, which also decides ``"auto"``'s book-keeping or
       two passes (see :class:`DPModel`).
+    noise, bands: ``noise="bandmf", bands=b`` (b >= 2) trains with correlated noise
+      (banded matrix factorization, Choquette-Choo et al. 2023) under cyclic Poisson
+      sampling: the plan's strategy is optimized for its steps and the optimizer's
+      momentum and handed to the optimizer at ``compile`` (``docs/correlated_noise.md``);
+      default: independent noise.
     length_key: text batches at their real length: the key of the padding mask
       in dict inputs (e.g. ``"padding_mask"`` of keras-hub encoders); with
       ``physical_batch_size``, each chunk is cut to its own longest row (the
@@ -913,10 +920,11 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
+  sampling, bands = owned_plan_lib.noise_mechanism(noise, bands, sampling)
   owned = owned_plan_lib.request_of(
       plan, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, delta=delta,
       batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
-      accountant=accountant, dataset_size=dataset_size)
+      accountant=accountant, dataset_size=dataset_size, bands=bands)
   ledger = _ledger_for(model)
   _bind_ledger(model, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
