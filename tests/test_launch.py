@@ -395,3 +395,24 @@ def test_help_lists_the_flags_a_run_needs(launcher):
   for flag in ("--target_epsilon", "--epochs", "--batch_size", "--optimizer",
                "--learning_rate", "--model_dir", "--export_dir"):
     assert flag in out.stdout, f"{launcher} --help lacks {flag}"
+
+
+@pytest.mark.slow
+def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_path):
+  """--lora_rank: DP LoRA fine-tuning from the launcher; the pretrained weights are frozen
+  and named in not_covered; the export serves raw sentences."""
+  preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
+  train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 4
+  fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
+  run = tmp_path / "run"
+  launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
+         "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
+         "--sequence_length=16", "--lora_rank=2", f"--model_dir={run}",
+         f"--export_dir={tmp_path}/export")
+  rep = report(run)
+  assert rep["steps"] == 2 and rep["lora_rank"] == 2
+  frozen = [item for item in rep["not_covered"] if item.startswith("Frozen weights")]
+  assert frozen and "transformer_layer_0" in frozen[0], rep["not_covered"]
+  assert any(preset in item and item.startswith("Pretrained weights")
+             for item in rep["not_covered"]), rep["not_covered"]
+  assert os.path.isdir(tmp_path / "export")

@@ -227,7 +227,8 @@ def run_experiment(cfg: common.ExperimentConfig, spec: AuditSpec,
 
   record = common.run_experiment(cfg, build, (x, y), test, loss=loss, export_fn=audited_export,
                                  print_fn=print_fn, after_training=after_training,
-                                 not_covered=not_covered(spec), **kwargs)
+                                 not_covered=tuple(kwargs.pop("not_covered", ())) +
+                                 not_covered(spec), **kwargs)
   return record, holder["block"]
 
 

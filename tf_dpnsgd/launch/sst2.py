@@ -42,6 +42,9 @@ flags.DEFINE_boolean("freeze_embeddings", True, "Freeze the input embeddings (th
 flags.DEFINE_integer("sequence_length", 128, "Tokens per sentence.")
 flags.DEFINE_string("data_dir", None, "GLUE folder (SST-2/train.tsv, dev.tsv); else tfds.")
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training sentences.")
+flags.DEFINE_integer("lora_rank", 0, "> 0: fine-tune LoRA factors of this rank on the "
+                     "attention query/value projections (backbone.enable_lora); the "
+                     "pretrained weights stay frozen.")
 canary_audit.define_flags()
 
 
@@ -76,7 +79,7 @@ def main(argv):
   cfg = common.config_from_flags()
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
-      freeze_embeddings=FLAGS.freeze_embeddings)
+      freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank)
   train_s, train_y, dev_s, dev_y = glue.load_sst2(FLAGS.data_dir)
   if FLAGS.max_train_examples:
     train_s, train_y = train_s[:FLAGS.max_train_examples], train_y[:FLAGS.max_train_examples]
@@ -92,8 +95,11 @@ def main(argv):
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), export_fn=export_fn,
       length_key=("padding_mask" if FLAGS.bucket_by_length and "padding_mask" in x_train
                   else None),
+      not_covered=(f"Pretrained weights of preset {FLAGS.preset!r}: the encoder starts from "
+                   "them (those frozen are listed above); the epsilon assumes they are public "
+                   "(pretrained on public data) and does not cover them.",),
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
-                    "freeze_embeddings": FLAGS.freeze_embeddings,
+                    "freeze_embeddings": FLAGS.freeze_embeddings, "lora_rank": FLAGS.lora_rank,
                     "sequence_length": FLAGS.sequence_length})
   print(f"dev accuracy {record.metric('accuracy', float('nan')):.4f}; "
         f"{record.epsilon_text()} after {record.steps} steps")

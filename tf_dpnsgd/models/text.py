@@ -48,7 +48,8 @@ ACCEPTED_HELP = (
     "tokenizer_config.json for BERT or vocab.json + merges.txt for RoBERTa).")
 
 
-def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embeddings=True):
+def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embeddings=True,
+                    lora_rank=0):
   """Builds a pretrained keras-hub text classifier and its preprocessor.
 
   The classification head is new (randomly initialised for ``num_classes``);
@@ -72,6 +73,10 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
     sequence_length: tokens per example after packing (truncate / pad); at
       most the backbone's ``max_sequence_length``.
     freeze_embeddings: freeze the input embedding layers (see above).
+    lora_rank: > 0: ``backbone.enable_lora(lora_rank)`` (keras-hub: LoRA factors on the
+      attention query and value projections; their pretrained kernels frozen, named in
+      the report's ``not_covered``); the layer-wise engine computes the factors'
+      per-example gradients exactly (``docs/per_example.md``, "LoRA").
 
   Returns:
     ``(classifier, preprocessor)``: a functional ``keras.Model`` mapping the
@@ -107,6 +112,10 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
   check_sequence_length(classifier.backbone, sequence_length)
   if freeze_embeddings:
     freeze_input_embeddings(classifier.backbone)
+  if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+    raise ValueError(f"`lora_rank` must be an integer >= 0; got {lora_rank!r}.")
+  if lora_rank:
+    classifier.backbone.enable_lora(lora_rank)
   return classifier, preprocessor
 
 
