@@ -405,10 +405,12 @@ def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_
   train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 4
   fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
   run = tmp_path / "run"
-  launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-         "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
-         "--sequence_length=16", "--lora_rank=2", f"--model_dir={run}",
-         f"--export_dir={tmp_path}/export")
+  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
+               "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
+               "--sequence_length=16", "--lora_rank=2", f"--model_dir={run}",
+               f"--export_dir={tmp_path}/export")
+  # The default --verbose=2 prints a line per epoch; the first step is reported at once.
+  assert "step 1/2  loss " in out.stdout and " ETA " in out.stdout, out.stdout
   rep = report(run)
   assert rep["steps"] == 2 and rep["lora_rank"] == 2
   frozen = [item for item in rep["not_covered"] if item.startswith("Frozen weights")]

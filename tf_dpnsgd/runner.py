@@ -184,9 +184,9 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
       path only): the sampler applies it to each row alone (``plan.dataset(...,
       augment=augment_fn)``, :mod:`tf_dpnsgd.augmentation`); without a plan or a
       sampler, to each example before Keras-style batching.
-    progress_bar: add a :class:`StepProgbar` (for ``verbose``); else a
-      :class:`~tf_dpnsgd.callbacks.StepReporter` prints a line for slow steps and at
-      least every 30 s, with epsilon and an ETA.
+    progress_bar: add a :class:`StepProgbar` (for ``verbose``). Unless it shows every
+      step (``verbose=1``), a :class:`~tf_dpnsgd.callbacks.StepReporter` prints a line for
+      slow steps and at least every 30 s, with epsilon and an ETA.
 
   Returns:
     :class:`Trained`.
@@ -196,8 +196,9 @@ def fit(model: keras.Model, x, y, *, total_steps: int, plan=None, sampler=None,
   privacy = ([] if plan is None else
              plan.callbacks(log_dir=privacy_log_dir, state_path=privacy_state_path))
   stops = [StopAtStep(stop_after)] if stop_after else []
-  progress = ([StepProgbar(start, total_steps)] if progress_bar
-              else [callbacks_lib.StepReporter(start, total_steps, plan)])
+  progress = [StepProgbar(start, total_steps)] if progress_bar else []
+  if not (progress_bar and verbose == 1):  # no per-step bar (verbose 0, or 2: a line an epoch)
+    progress.append(callbacks_lib.StepReporter(start, total_steps, plan))
   everything = privacy + stops + list(callbacks) + progress
   began = time.perf_counter()
   if owned:
