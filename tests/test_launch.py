@@ -89,12 +89,17 @@ def progress_counts(stdout):
   return re.findall(r"(?m)^\s*(\d+)/(\d+) ", plain)
 
 
-@pytest.mark.slow
-def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
+def _tiny_sst2(tmp_path):
+  """A tiny BERT preset (sequence 16) and a GLUE folder of 48 sentences; returns the preset."""
   preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
-  # 48 sentences, batch 8: 6 steps per epoch, of which --max_steps=3 run.
   train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 4
   fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
+  return preset
+
+
+@pytest.mark.slow
+def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
+  preset = _tiny_sst2(tmp_path)  # 48 sentences, batch 8: 6 steps an epoch; 3 run
   run = tmp_path / "run"
   out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
                "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=2",
@@ -401,9 +406,7 @@ def test_help_lists_the_flags_a_run_needs(launcher):
 def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_path):
   """--lora_rank: DP LoRA fine-tuning from the launcher; the pretrained weights are frozen
   and named in not_covered; the export serves raw sentences."""
-  preset = fixtures.write_tiny_bert_preset(str(tmp_path / "preset"), sequence_length=16)
-  train = ([(s, 1) for s in fixtures.POSITIVE] + [(s, 0) for s in fixtures.NEGATIVE]) * 4
-  fixtures.write_sst2_tsv(tmp_path / "glue", train=train)
+  preset = _tiny_sst2(tmp_path)
   run = tmp_path / "run"
   out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
                "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
