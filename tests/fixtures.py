@@ -251,3 +251,16 @@ def assert_engine_output(out, norms, summed, norm_rtol=1e-4, sum_rtol=1e-3, sum_
   np.testing.assert_allclose(out.norms.numpy(), norms, rtol=norm_rtol)
   for got, expected in zip(out.summed, summed):
     np.testing.assert_allclose(got.numpy(), expected, rtol=sum_rtol, atol=sum_atol)
+
+
+def one_noiseless_step(make, x, y, **private_kwargs):
+  """Trainable weights of ``make()`` made private with ``private_kwargs`` after one DP-NSGD
+  step at noise 0 (lr 1, r 0.1, seed 3) on one hand-made batch ``(x, y)``."""
+  import tf_dpnsgd  # pylint: disable=import-outside-toplevel
+  keras.utils.set_random_seed(3)
+  model = tf_dpnsgd.make_private(make(), trust_untagged_batches=True, **private_kwargs)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=1.0, regularizer=0.1,
+                                           noise_multiplier=0.0),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.train_on_batch(x, y)
+  return [v.numpy() for v in model.trainable_variables]

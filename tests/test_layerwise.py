@@ -23,6 +23,7 @@ from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import (choose_engine, layerwise_engine, microbatch_engine,
                                    resolve_engine)
+import fixtures
 from fixtures import assert_engine_output, normalized_sum_by_loop
 
 RTOL = 1e-5
@@ -702,16 +703,9 @@ def test_physical_batch_chunks_give_the_same_update():
     return keras.Model(tokens, keras.layers.Dense(2)(h))
 
   x, y = _tokens(8, 5, 11), labels(8, 2)
-  weights = []
-  for physical in (None, 3):
-    keras.utils.set_random_seed(3)
-    model = tf_dpnsgd.make_private(make(), per_example="layerwise", physical_batch_size=physical,
-                                   trust_untagged_batches=True)  # one hand-made batch
-    model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=1.0, regularizer=0.1,
-                                             noise_multiplier=0.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.train_on_batch(x, y)
-    weights.append([v.numpy() for v in model.trainable_variables])
+  weights = [fixtures.one_noiseless_step(make, x, y, per_example="layerwise",
+                                         physical_batch_size=physical)
+             for physical in (None, 3)]
   for a, b in zip(*weights):
     np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6)
 

@@ -22,6 +22,7 @@ from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
 from tf_dpnsgd.per_example import (layerwise_engine, resolve_engine, stateless,
                                    two_pass_engine)
+import fixtures
 from fixtures import assert_engine_output, normalized_sum_by_loop
 
 R = 0.1  # DP-NSGD's regularizer: the fixtures' oracle
@@ -233,16 +234,9 @@ def test_two_pass_is_an_engine_name():
 @pytest.mark.slow
 def test_physical_chunks_through_make_private_equal_bookkeeping():
   x, y = tf.random.normal((8, 7, 5)), tf.constant(np.arange(8) % 3)
-  weights = []
-  for per_example, physical in (("layerwise", None), ("two_pass", 3)):
-    keras.utils.set_random_seed(3)
-    model = tf_dpnsgd.make_private(_dense_seq_model(), per_example=per_example,
-                                   physical_batch_size=physical, trust_untagged_batches=True)
-    model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=1.0, regularizer=0.1,
-                                             noise_multiplier=0.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.train_on_batch(x, y)
-    weights.append([v.numpy() for v in model.trainable_variables])
+  weights = [fixtures.one_noiseless_step(_dense_seq_model, x, y, per_example=per_example,
+                                         physical_batch_size=physical)
+             for per_example, physical in (("layerwise", None), ("two_pass", 3))]
   for a, b in zip(*weights):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
