@@ -48,8 +48,30 @@ ACCEPTED_HELP = (
     "tokenizer_config.json for BERT or vocab.json + merges.txt for RoBERTa).")
 
 
+POOLINGS = ("cls", "mean")
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd")
+class MaskedMeanPooling(keras.layers.Layer):
+  """Mean of a sequence's vectors over its real tokens: ``[B, T, H], [B, T] -> [B, H]``.
+
+  Padding (``padding_mask`` 0) contributes nothing, so a row cut to its own
+  length gives the same output (the length bucketing of ``make_private``'s
+  ``length_key``). No variables, and it mixes no rows of the batch.
+  """
+
+  def call(self, sequence, padding_mask):
+    mask = keras.ops.expand_dims(keras.ops.cast(padding_mask, sequence.dtype), -1)
+    total = keras.ops.sum(sequence * mask, axis=1)
+    count = keras.ops.maximum(keras.ops.sum(mask, axis=1), 1.0)
+    return total / count
+
+  def compute_output_shape(self, sequence_shape, padding_mask_shape=None):
+    return (sequence_shape[0], sequence_shape[-1])
+
+
 def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embeddings=True,
-                    lora_rank=0):
+                    lora_rank=0, pooling="cls", trainable_layers=None, dropout=0.1):
   """Builds a pretrained keras-hub text classifier and its preprocessor.
 
   The classification head is new (randomly initialised for ``num_classes``);
@@ -77,6 +99,16 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
       attention query and value projections; their pretrained kernels frozen, named in
       the report's ``not_covered``); the layer-wise engine computes the factors'
       per-example gradients exactly (``docs/per_example.md``, "LoRA").
+    pooling: ``"cls"``: the preset's own classifier (BERT: the pooler on the first
+      token; RoBERTa: its head); ``"mean"``: the mean of the last layer's vectors over
+      the real tokens, then dropout and a new ``Dense(num_classes)`` (sentence encoders
+      such as all-MiniLM-L6-v2 were trained with mean pooling; their first token and
+      pooler were not). The unused pooler is frozen.
+    trainable_layers: ``None``: every encoder layer trains; ``k``: only the top ``k``
+      transformer layers (and the head) train; the embeddings, their LayerNorm and the
+      lower layers are frozen (named in the report's ``not_covered`` as frozen
+      weights), which is what makes caching their outputs possible.
+    dropout: the dropout rate before the new head (``pooling="mean"`` only).
 
   Returns:
     ``(classifier, preprocessor)``: a functional ``keras.Model`` mapping the
@@ -116,7 +148,58 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
     raise ValueError(f"`lora_rank` must be an integer >= 0; got {lora_rank!r}.")
   if lora_rank:
     classifier.backbone.enable_lora(lora_rank)
+  if pooling not in POOLINGS:
+    raise ValueError(f"`pooling` must be one of {POOLINGS}; got {pooling!r}.")
+  if trainable_layers is not None:
+    freeze_lower_layers(classifier.backbone, trainable_layers)
+  if pooling == "mean":
+    classifier = mean_pooled_classifier(classifier.backbone, num_classes, dropout)
   return classifier, preprocessor
+
+
+def freeze_lower_layers(backbone, trainable_layers) -> list[str]:
+  """Freezes all but the top ``trainable_layers`` transformer layers of ``backbone``
+  (and, below them, the embeddings and their LayerNorm).
+
+  Returns:
+    Names of the layers frozen.
+
+  Raises:
+    ValueError: ``trainable_layers`` is not an integer in ``[0, number of layers]``,
+      or the backbone has no ``transformer_layers``.
+  """
+  layers = list(getattr(backbone, "transformer_layers", None) or ())
+  if not layers:
+    raise ValueError(f"Backbone '{backbone.name}' ({type(backbone).__name__}) has no "
+                     "`transformer_layers`; pass trainable_layers=None.")
+  if isinstance(trainable_layers, bool) or not isinstance(trainable_layers, int) \
+      or not 0 <= trainable_layers <= len(layers):
+    raise ValueError(f"`trainable_layers` must be an integer in [0, {len(layers)}] (the "
+                     f"backbone's layers); got {trainable_layers!r}.")
+  if trainable_layers == len(layers):
+    return []
+  frozen = layers[:len(layers) - trainable_layers]
+  frozen += [layer for layer in backbone.layers
+             if isinstance(layer, _embedding_types()) or layer.name == "embeddings_layer_norm"]
+  for layer in frozen:
+    layer.trainable = False
+  return [layer.name for layer in frozen]
+
+
+def mean_pooled_classifier(backbone, num_classes, dropout=0.1) -> keras.Model:
+  """``backbone`` -> masked mean of its last layer -> dropout -> ``Dense(num_classes)``."""
+  inputs = {name: keras.Input(shape=(None,), dtype="int32", name=name)
+            for name in backbone.input}
+  outputs = backbone(inputs)
+  sequence = outputs["sequence_output"] if isinstance(outputs, dict) else outputs
+  for layer in backbone.layers:  # the pooler (BERT) reads only the first token: unused here
+    if layer.name == "pooled_dense":
+      layer.trainable = False
+  pooled = MaskedMeanPooling(name="mean_pooling")(sequence, inputs["padding_mask"])
+  if dropout:
+    pooled = keras.layers.Dropout(dropout, name="head_dropout")(pooled)
+  logits = keras.layers.Dense(num_classes, name="logits")(pooled)
+  return keras.Model(inputs, logits, name=f"{backbone.name}_mean_classifier")
 
 
 def resolve_preset(preset) -> str:
@@ -256,6 +339,6 @@ def freeze_input_embeddings(backbone) -> list[str]:
   return [layer.name for layer in frozen]
 
 
-__all__ = ["ACCEPTED_HELP", "builtin_presets", "check_sequence_length",
+__all__ = ["ACCEPTED_HELP", "MaskedMeanPooling", "freeze_lower_layers", "mean_pooled_classifier", "builtin_presets", "check_sequence_length",
            "freeze_input_embeddings", "resolve_preset", "text_classifier",
            "validate_local_preset"]

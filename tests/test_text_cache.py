@@ -1,0 +1,126 @@
+"""Mean pooling, top-layer training and the frozen-layer cache (tf_dpnsgd.models.text_cache).
+
+The guarantee: training the top layers on cached lower-layer outputs is the same DP
+step as training the whole model with its lower layers frozen (dropout off below the
+cut), checked against a single-example gradient loop through the uncut model; the
+cache depends on no trainable weight; padding contributes nothing.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+pytest.importorskip("keras_hub")
+
+import fixtures  # noqa: E402
+from tf_dpnsgd.models import text  # noqa: E402
+from tf_dpnsgd.models import text_cache  # noqa: E402
+
+LAYERS = 3
+
+
+def _backbone():
+  keras.utils.set_random_seed(0)
+  return fixtures.tiny_bert_backbone(num_layers=LAYERS, dropout=0.0)
+
+
+def _tokens(rows=6, length=12, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(2, length + 1, rows)
+  lengths[0] = length
+  mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
+  ids = rng.integers(1, len(fixtures.TINY_VOCAB), (rows, length)) * mask
+  return {"token_ids": ids.astype(np.int32), "segment_ids": np.zeros_like(ids, np.int32),
+          "padding_mask": mask}
+
+
+def test_masked_mean_ignores_padding_and_its_values():
+  seq = tf.constant(np.random.default_rng(1).normal(size=(2, 5, 3)), tf.float32)
+  mask = tf.constant([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+  out = text.MaskedMeanPooling()(seq, mask).numpy()
+  np.testing.assert_allclose(out[0], seq.numpy()[0, :2].mean(0), rtol=1e-6)
+  np.testing.assert_allclose(out[1], seq.numpy()[1].mean(0), rtol=1e-6)
+  poisoned = tf.where(tf.cast(mask, tf.bool)[..., None], seq, 1e30)  # huge values in the padding
+  np.testing.assert_array_equal(text.MaskedMeanPooling()(poisoned, mask).numpy(), out)
+  empty = text.MaskedMeanPooling()(seq, tf.zeros_like(mask)).numpy()
+  assert np.all(np.isfinite(empty)) and np.all(empty == 0)
+
+
+def test_mean_pooled_classifier_gives_each_row_the_same_logits_at_its_own_length():
+  model = text.mean_pooled_classifier(_backbone(), num_classes=2, dropout=0.0)
+  x = _tokens()
+  full = model(x, training=False).numpy()
+  for i, n in enumerate(x["padding_mask"].sum(1)):
+    cut = model({k: v[i:i + 1, :n] for k, v in x.items()}, training=False).numpy()
+    np.testing.assert_allclose(cut[0], full[i], atol=1e-5)
+  # The BERT pooler reads only the first token; unused with mean pooling, it is frozen.
+  assert not any("pooled_dense" in v.path for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("k", [0, 1, LAYERS])
+def test_freeze_lower_layers_leaves_only_the_top_k_trainable(k):
+  backbone = _backbone()
+  text.freeze_lower_layers(backbone, k)
+  trained = {v.path.split("/")[0] for v in backbone.trainable_variables}
+  expected = {f"transformer_layer_{i}" for i in range(LAYERS - k, LAYERS)} | {"pooled_dense"}
+  if k == LAYERS:
+    expected |= {"embeddings_layer_norm", "token_embedding", "position_embedding",
+                 "segment_embedding"}
+  assert trained == expected
+
+
+@pytest.mark.parametrize("k", [-1, LAYERS + 1, True, 1.0])
+def test_bad_trainable_layers_are_refused(k):
+  with pytest.raises(ValueError, match="trainable_layers"):
+    text.freeze_lower_layers(_backbone(), k)
+  with pytest.raises(ValueError, match="trainable_layers"):
+    text_cache.split_classifier(_backbone(), 0 if k is True else k)
+
+
+def test_cached_top_layers_equal_the_uncut_model_and_serve_on_tokens():
+  lower, upper, full = text_cache.split_classifier(_backbone(), 1, dropout=0.0)
+  x = _tokens(rows=40, length=12)
+  cache = text_cache.cache_lower_outputs(lower, x, batch_size=7)  # batches cut to their longest
+  assert cache["hidden"].dtype == np.float16
+  # Padding positions are zero in the cache: nothing of a row's padding is kept.
+  assert np.all(cache["hidden"][x["padding_mask"] == 0] == 0)
+  np.testing.assert_allclose(upper(cache, training=False).numpy(),
+                             full(x, training=False).numpy(), atol=1e-5)
+  # Only the top layer and the head train; the lower model has no trainable variable.
+  assert {v.path.split("/")[0] for v in upper.trainable_variables} == {
+      f"transformer_layer_{LAYERS - 1}", "logits"}
+  assert not lower.trainable_weights
+
+
+def test_cache_does_not_move_when_the_top_layers_train():
+  lower, upper, _ = text_cache.split_classifier(_backbone(), 2, dropout=0.0)
+  x = _tokens(rows=8)
+  before = text_cache.cache_lower_outputs(lower, x)["hidden"]
+  for v in upper.trainable_variables:
+    v.assign(v + 1.0)
+  np.testing.assert_array_equal(text_cache.cache_lower_outputs(lower, x)["hidden"], before)
+
+
+def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model():
+  """One DP-NSGD step (noise 0, r 0.1, lr 1) on cached rows: sum_i g_i/(r+|g_i|) / B, with
+  g_i each sentence's gradient through tokens -> frozen lower -> top layer (the oracle)."""
+  lower, upper, full = text_cache.split_classifier(_backbone(), 1, dropout=0.0)
+  x = _tokens(rows=6, length=12, seed=3)
+  y = np.array([0, 1, 1, 0, 1, 0], np.int32)
+  cache = text_cache.cache_lower_outputs(lower, x)
+  before = [v.numpy() for v in upper.trainable_variables]
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  total = [np.zeros_like(w) for w in before]
+  for i in range(len(y)):
+    n = int(x["padding_mask"][i].sum())
+    with tf.GradientTape() as tape:
+      out = full({k: v[i:i + 1, :n] for k, v in x.items()}, training=True)
+      value = loss(y[i:i + 1], out)
+    grads = [g.numpy() for g in tape.gradient(value, upper.trainable_variables)]
+    norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads))
+    total = [t + g / (0.1 + norm) for t, g in zip(total, grads)]
+  after = fixtures.one_noiseless_step(lambda: upper, cache, y, physical_batch_size=4,
+                                      length_key="padding_mask")
+  for b, a, t in zip(before, after, total):
+    np.testing.assert_allclose(a, b - t / len(y), atol=2e-5)
