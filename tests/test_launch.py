@@ -421,3 +421,37 @@ def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_
   assert any(preset in item and item.startswith("Pretrained weights")
              for item in rep["not_covered"]), rep["not_covered"]
   assert os.path.isdir(tmp_path / "export")
+
+
+@pytest.mark.slow
+def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(tmp_path):
+  """--cache_frozen_layers: the top layer trains on cached lower outputs (here: the tiny
+  BERT's embeddings); the export recomputes them from raw sentences and its dev accuracy is
+  reported beside the Keras model's; the frozen weights are named in not_covered."""
+  preset = _tiny_sst2(tmp_path)
+  run = tmp_path / "run"
+  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
+               "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=1",
+               "--sequence_length=16", "--pooling=mean", "--trainable_layers=1",
+               "--cache_frozen_layers", f"--model_dir={run}", f"--export_dir={tmp_path}/export")
+  rep = report(run)
+  assert rep["steps"] == 3 and rep["cache_frozen_layers"] is True and rep["pooling"] == "mean"
+  assert rep["exported_dev_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
+                                                       abs=1 / 3 + 1e-9), rep
+  assert report(tmp_path / "export")["exported_dev_accuracy"] == rep["exported_dev_accuracy"]
+  assert "exported SavedModel on raw dev sentences" in out.stdout
+  cached = [item for item in rep["not_covered"] if item.startswith("Frozen lower layers")]
+  assert cached and "token_embedding" in cached[0], rep["not_covered"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,message", [
+    (["--cache_frozen_layers"], "--cache_frozen_layers needs --trainable_layers"),
+    (["--cache_frozen_layers", "--trainable_layers=1"], "--pooling=mean"),
+    (["--optimizer=adam", "--target_epsilon=2"], "trains without privacy"),
+])
+def test_sst2_cache_and_baseline_flags_refused_before_training(tmp_path, args, message):
+  preset = _tiny_sst2(tmp_path)
+  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
+               "--sequence_length=16", *args, check=False)
+  assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

@@ -60,7 +60,8 @@ from tf_dpnsgd.launch import resume
 from tf_dpnsgd.plan import PrivacyPlan
 from tf_dpnsgd.records import RunRecord
 
-OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd")
+OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd", "adam")
+NON_PRIVATE = ("sgd", "adam")  # the baselines: no noise, no plan, no epsilon
 SAMPLINGS = ("poisson", "uniform", "shuffle")
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
@@ -176,7 +177,7 @@ def resolve_privacy(optimizer: str, noise_multiplier: Optional[float],
   given = {n for n in PRIVACY_FLAGS if n in explicit}
   values = {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon}
   given = {n for n in given if values[n] is not None}
-  if optimizer == "sgd":
+  if optimizer in NON_PRIVATE:
     if given:
       raise ValueError(_SGD_NOISE_MESSAGE)
     return None, None
@@ -228,7 +229,7 @@ class ExperimentConfig:
   releases: tuple = ()  # noise multipliers of pre-training releases (tf_dpnsgd.private_stats)
 
   def __post_init__(self):
-    if self.optimizer != "sgd":
+    if self.optimizer not in NON_PRIVATE:
       if (self.noise_multiplier is None) == (self.target_epsilon is None):
         raise ValueError("Give exactly one of --noise_multiplier and --target_epsilon "
                          "(both or neither were given).")
@@ -240,7 +241,7 @@ class ExperimentConfig:
 
   @property
   def private(self) -> bool:
-    return self.optimizer != "sgd"
+    return self.optimizer not in NON_PRIVATE
 
   def hyperparameters(self) -> dict:
     """The fields worth recording (no directories; no seed: the report writer refuses
@@ -265,7 +266,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   eps_default = (f" Default: {d['target_epsilon']:g} when --noise_multiplier is not given."
                  if d["target_epsilon"] is not None else "")
   flags.DEFINE_enum("optimizer", d["optimizer"], OPTIMIZERS,
-                    "Optimizer (sgd: non-private; give no --noise_multiplier/--target_epsilon).",
+                    "Optimizer (sgd, adam: non-private baselines; give no --noise_multiplier/"
+                    "--target_epsilon).",
                     **kw)
   flags.DEFINE_float("learning_rate", d["learning_rate"], "Base learning rate.", **kw)
   flags.DEFINE_float("regularizer", d["regularizer"], "DP-NSGD/DP-NAdam regularizer r > 0.", **kw)
@@ -419,6 +421,8 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
     common["weight_decay"] = cfg.weight_decay
   if cfg.optimizer == "sgd":
     return keras.optimizers.SGD(momentum=cfg.momentum, **common)
+  if cfg.optimizer == "adam":
+    return keras.optimizers.Adam(**common)
   # No `seed`: the noise seed always comes from the OS (cfg.seed is public: init, data order).
   private = {"noise_multiplier": noise_multiplier, **common}
   if cfg.optimizer == "dpnsgd":

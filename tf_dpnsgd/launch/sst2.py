@@ -20,8 +20,13 @@ explicit one.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
+
 from absl import app
 from absl import flags
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -32,6 +37,7 @@ from tf_dpnsgd.launch import canary_audit
 from tf_dpnsgd.launch import allocator
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.models import text
+from tf_dpnsgd.models import text_cache
 
 # The paper's setting: batch 1000, 10 epochs, epsilon 8, delta 1e-5, embeddings frozen.
 common.define_flags(optimizer="dpnsgd", learning_rate=0.5, regularizer=0.01, l2_norm_clip=1.0,
@@ -45,6 +51,17 @@ flags.DEFINE_integer("max_train_examples", None, "Use only the first N training 
 flags.DEFINE_integer("lora_rank", 0, "> 0: fine-tune LoRA factors of this rank on the "
                      "attention query/value projections (backbone.enable_lora); the "
                      "pretrained weights stay frozen.")
+flags.DEFINE_enum("pooling", "cls", ["cls", "mean"],
+                  "cls: the preset's classifier (BERT's pooler on [CLS]); mean: masked mean of the "
+                  "last layer, dropout, a new Dense head (sentence encoders such as "
+                  "all-MiniLM-L6-v2 were trained with mean pooling).")
+flags.DEFINE_integer("trainable_layers", None,
+                     "Train only the top k transformer layers (and the head); the embeddings and "
+                     "the lower layers stay frozen at the preset's weights. Default: all.")
+flags.DEFINE_bool("cache_frozen_layers", False,
+                  "With --trainable_layers: compute the frozen lower layers once per sentence "
+                  "(inference mode, float16) and train the top layers on that cache "
+                  "(tf_dpnsgd.models.text_cache); needs --pooling=mean and no --lora_rank.")
 canary_audit.define_flags()
 
 
@@ -73,20 +90,65 @@ def tokenize(preprocessor, sentences, batch=256):
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def exported_accuracy(export_dir, sentences, labels, batch=256) -> float:
+  """Accuracy of the exported SavedModel's ``serving_default`` on raw sentences."""
+  serve = tf.saved_model.load(export_dir).signatures[export_lib.SIGNATURE]
+  correct = 0
+  for i in range(0, len(sentences), batch):
+    out = serve(sentences=tf.constant(list(sentences[i:i + batch])))
+    correct += int(np.sum(np.asarray(out["class_ids"]).reshape(-1) == labels[i:i + batch]))
+  return correct / len(sentences)
+
+
+def check_export(record, model_dir, export_dir, sentences, labels):
+  """Adds the export's dev accuracy on raw sentences to the record and its reports."""
+  accuracy = exported_accuracy(export_dir, sentences, np.asarray(labels))
+  record = dataclasses.replace(record, extra={**record.extra,
+                                              "exported_dev_accuracy": accuracy})
+  for folder in (model_dir, export_dir):
+    if folder:
+      export_lib.write_privacy_report(os.path.join(folder, "privacy_report.json"),
+                                      **record.to_dict())
+  print(f"exported SavedModel on raw dev sentences: accuracy {accuracy:.4f}")
+  return record
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
   cfg = common.config_from_flags()
+  cache = FLAGS.cache_frozen_layers
+  if cache and (FLAGS.trainable_layers is None or FLAGS.lora_rank or FLAGS.pooling != "mean"):
+    raise common.LaunchError("--cache_frozen_layers needs --trainable_layers=k (the layers above "
+                             "the cache), --pooling=mean and no --lora_rank.")
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
-      freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank)
+      freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank,
+      pooling="cls" if cache else FLAGS.pooling,
+      trainable_layers=None if cache else FLAGS.trainable_layers)
   train_s, train_y, dev_s, dev_y = glue.load_sst2(FLAGS.data_dir)
   if FLAGS.max_train_examples:
     train_s, train_y = train_s[:FLAGS.max_train_examples], train_y[:FLAGS.max_train_examples]
+  started = time.time()
   x_train, x_dev = tokenize(preprocessor, train_s), tokenize(preprocessor, dev_s)
+  served = classifier
+  if cache:
+    lower, classifier, served = text_cache.split_classifier(
+        classifier.backbone, FLAGS.trainable_layers, num_classes=2)
+    x_train = text_cache.cache_lower_outputs(lower, x_train)
+    x_dev = text_cache.cache_lower_outputs(lower, x_dev)
+    cached = [layer.name for layer in lower.layers if layer.weights]
+    not_covered = (f"Frozen lower layers {cached} of preset {FLAGS.preset!r}, run once per "
+                   "sentence without dropout (--cache_frozen_layers; their float16 outputs are "
+                   "the training rows): public weights, not covered by the epsilon.",)
+  else:
+    not_covered = ()
+  logging.info("Tokenized%s %d + %d sentences in %.0f s.", " and cached" if cache else "",
+               len(train_s), len(dev_s), time.time() - started)
 
   def export_fn(model, export_dir):
-    export_lib.export_text_classifier(model, preprocessor, export_dir)
+    del model  # `served` holds the same (trained) layers, on token ids
+    export_lib.export_text_classifier(served, preprocessor, export_dir)
 
   record, audit_block = canary_audit.run_experiment(
       cfg, canary_audit.spec_from_flags(), lambda: classifier,
@@ -95,12 +157,16 @@ def main(argv):
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), export_fn=export_fn,
       length_key=("padding_mask" if FLAGS.bucket_by_length and "padding_mask" in x_train
                   else None),
-      not_covered=(f"Pretrained weights of preset {FLAGS.preset!r}: the encoder starts from "
-                   "them (those frozen are listed above); the epsilon assumes they are public "
-                   "(pretrained on public data) and does not cover them.",),
+      not_covered=not_covered + (
+          f"Pretrained weights of preset {FLAGS.preset!r}: the encoder starts from them (those "
+          "frozen are listed above); the epsilon assumes they are public (pretrained on public "
+          "data) and does not cover them.",),
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings, "lora_rank": FLAGS.lora_rank,
-                    "sequence_length": FLAGS.sequence_length})
+                    "sequence_length": FLAGS.sequence_length, "pooling": FLAGS.pooling,
+                    "trainable_layers": FLAGS.trainable_layers, "cache_frozen_layers": cache})
+  if FLAGS.export_dir:  # the served model on raw sentences, beside the Keras model's number
+    record = check_export(record, FLAGS.model_dir, FLAGS.export_dir, dev_s, dev_y)
   print(f"dev accuracy {record.metric('accuracy', float('nan')):.4f}; "
         f"{record.epsilon_text()} after {record.steps} steps")
   canary_audit.print_audit(audit_block)
