@@ -20,9 +20,12 @@ from tf_dpnsgd.models import text_cache  # noqa: E402
 LAYERS = 3
 
 
-def _backbone():
+def _backbone(lora_rank=0):
   keras.utils.set_random_seed(0)
-  return fixtures.tiny_bert_backbone(num_layers=LAYERS, dropout=0.0)
+  backbone = fixtures.tiny_bert_backbone(num_layers=LAYERS, dropout=0.0)
+  if lora_rank:
+    backbone.enable_lora(lora_rank)
+  return backbone
 
 
 def _tokens(rows=6, length=12, seed=0):
@@ -102,10 +105,27 @@ def test_cache_does_not_move_when_the_top_layers_train():
   np.testing.assert_array_equal(text_cache.cache_lower_outputs(lower, x)["hidden"], before)
 
 
-def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model():
+def test_lora_below_the_cut_is_frozen_and_only_the_top_factors_train():
+  """keras-hub's enable_lora makes the query/value sublayers trainable again after their
+  parent was frozen; the split freezes every nested layer below the cut."""
+  lower, upper, _ = text_cache.split_classifier(_backbone(lora_rank=2), 1, dropout=0.0)
+  assert not lower.trainable_weights
+  paths = [v.path for v in upper.trainable_variables]
+  assert all(p.startswith((f"transformer_layer_{LAYERS - 1}/", "logits/")) for p in paths), paths
+  assert any("lora_kernel" in p for p in paths)
+  assert not any(p.endswith("query/kernel") for p in paths)  # the pretrained kernel: frozen
+
+
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(lora_rank):
   """One DP-NSGD step (noise 0, r 0.1, lr 1) on cached rows: sum_i g_i/(r+|g_i|) / B, with
   g_i each sentence's gradient through tokens -> frozen lower -> top layer (the oracle)."""
-  lower, upper, full = text_cache.split_classifier(_backbone(), 1, dropout=0.0)
+  backbone = _backbone(lora_rank)
+  if lora_rank:  # LoRA's B starts at 0 (zero gradient for A): start from a nonzero B
+    for v in backbone.weights:
+      if "lora_kernel_b" in v.path:
+        v.assign(np.random.default_rng(5).normal(size=v.shape) * 0.1)
+  lower, upper, full = text_cache.split_classifier(backbone, 1, dropout=0.0)
   x = _tokens(rows=6, length=12, seed=3)
   y = np.array([0, 1, 1, 0, 1, 0], np.int32)
   cache = text_cache.cache_lower_outputs(lower, x)

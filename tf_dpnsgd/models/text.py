@@ -182,8 +182,15 @@ def freeze_lower_layers(backbone, trainable_layers) -> list[str]:
   frozen += [layer for layer in backbone.layers
              if isinstance(layer, _embedding_types()) or layer.name == "embeddings_layer_norm"]
   for layer in frozen:
-    layer.trainable = False
+    freeze(layer)
   return [layer.name for layer in frozen]
+
+
+def freeze(layer) -> None:
+  """Sets ``layer`` and every layer nested in it non-trainable (``layer.trainable = False``
+  does not reach sublayers a layer made trainable later, e.g. ``enable_lora``'s)."""
+  for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+    sub.trainable = False
 
 
 def mean_pooled_classifier(backbone, num_classes, dropout=0.1) -> keras.Model:
@@ -339,6 +346,6 @@ def freeze_input_embeddings(backbone) -> list[str]:
   return [layer.name for layer in frozen]
 
 
-__all__ = ["ACCEPTED_HELP", "MaskedMeanPooling", "freeze_lower_layers", "mean_pooled_classifier", "builtin_presets", "check_sequence_length",
+__all__ = ["ACCEPTED_HELP", "MaskedMeanPooling", "freeze", "freeze_lower_layers", "mean_pooled_classifier", "builtin_presets", "check_sequence_length",
            "freeze_input_embeddings", "resolve_preset", "text_classifier",
            "validate_local_preset"]

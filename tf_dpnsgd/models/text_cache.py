@@ -61,7 +61,7 @@ def split_classifier(backbone, trainable_layers, num_classes=2, dropout=0.1):
            _embeddings_output(backbone))
   lower = keras.Model(backbone.input, below, name=f"{backbone.name}_frozen_lower")
   for layer in lower.layers:  # all below the cut (k = all layers: the embeddings' LayerNorm)
-    layer.trainable = False
+    text.freeze(layer)
   if lower.trainable_weights:
     raise ValueError("Trainable variables below the cut would be baked into the cache: "
                      f"{[v.path for v in lower.trainable_weights]}. Freeze them.")
