@@ -61,7 +61,8 @@ flags.DEFINE_integer("trainable_layers", None,
 flags.DEFINE_bool("cache_frozen_layers", False,
                   "With --trainable_layers: compute the frozen lower layers once per sentence "
                   "(inference mode, float16) and train the top layers on that cache "
-                  "(tf_dpnsgd.models.text_cache); needs --pooling=mean and no --lora_rank.")
+                  "(tf_dpnsgd.models.text_cache); needs --pooling=mean. With --lora_rank, "
+                  "the LoRA factors of the top k layers train.")
 canary_audit.define_flags()
 
 
@@ -118,9 +119,9 @@ def main(argv):
   FLAGS = flags.FLAGS
   cfg = common.config_from_flags()
   cache = FLAGS.cache_frozen_layers
-  if cache and (FLAGS.trainable_layers is None or FLAGS.lora_rank or FLAGS.pooling != "mean"):
+  if cache and (FLAGS.trainable_layers is None or FLAGS.pooling != "mean"):
     raise common.LaunchError("--cache_frozen_layers needs --trainable_layers=k (the layers above "
-                             "the cache), --pooling=mean and no --lora_rank.")
+                             "the cache) and --pooling=mean.")
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
       freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank,
