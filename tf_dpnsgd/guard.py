@@ -197,9 +197,10 @@ def _check_correlated_noise(model, ledger) -> None:
   bands = getattr(optimizer, "bands", 1)
   if ledger.steps and ledger.noise_bands != bands:
     raise ledger_lib.LedgerMismatchError(
-        f"tf_dpnsgd: the model's privacy ledger holds {ledger.steps} steps whose noise had "
-        f"b = {ledger.noise_bands} bands (1: independent; -1: mixed), but the optimizer adds "
-        f"noise with b = {bands}: correlated and independent noise (or two bands) cannot be "
+        f"tf_dpnsgd: the model's privacy ledger holds {ledger.steps} steps of "
+        f"{ledger_lib.noise_name(ledger.noise_bands)}, but the optimizer adds "
+        f"{ledger_lib.noise_name(bands)}: correlated and independent noise (or two "
+        "strategies) cannot be "
         "mixed in one model's history, which no plan accounts for. Compile with the optimizer "
         "of the steps that ran (model.save / load_model keeps it), or train a new model.")
   band = getattr(optimizer, "band_noise", None)

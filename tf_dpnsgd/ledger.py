@@ -227,6 +227,25 @@ _NEW_SEED_MESSAGES = {
 }
 
 
+BLT_BANDS = -2  # noise_bands of BLT noise (tf_dpnsgd.correlated.blt): no plan accounts for it
+
+
+def noise_name(bands: int) -> str:
+  """The mechanism a ``noise_bands`` code names (the ledger's entry, an optimizer's
+  ``bands``), for messages.
+
+  >>> noise_name(1), noise_name(4), noise_name(BLT_BANDS), noise_name(-1)
+  ('independent noise (b = 1)', '4-banded noise (BandMF)', 'BLT noise', 'mixed noise')
+  """
+  if bands == 1:
+    return "independent noise (b = 1)"
+  if bands == BLT_BANDS:
+    return "BLT noise"
+  if bands < 0:
+    return "mixed noise"
+  return f"{bands}-banded noise (BandMF)"
+
+
 def _random_lineage() -> int:
   return max(int.from_bytes(os.urandom(8), "little") >> 1, 1)
 
@@ -326,7 +345,8 @@ class PrivacyLedger(keras.layers.Layer):
 
   @property
   def noise_bands(self) -> int:
-    """``b`` of the noise every step used (1: independent; -1: steps of different ``b``)."""
+    """``b`` of the noise every step used (1: independent; -1: steps of different ``b``;
+    :data:`BLT_BANDS`: BLT noise), see :func:`noise_name`."""
     return int(self._vars["noise_bands"].numpy()) or 1  # 0: no step, or written before it
 
   @property
