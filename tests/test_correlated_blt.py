@@ -136,3 +136,44 @@ def test_a_model_trained_with_blt_noise_gets_no_epsilon():
   assert all(np.all(np.isfinite(w)) for w in model.get_weights())
   with pytest.raises(ledger_lib.LedgerMismatchError, match="BLT noise"):
     plan.report(model)
+
+
+def test_make_private_refuses_blt_noise_with_what_to_do():
+  inputs = keras.Input((4,))
+  with pytest.raises(ValueError, match="no privacy accounting .* blt_parameters"):
+    tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)),
+                           noise_multiplier=1.0, delta=1e-5, batch_size=8, steps=6,
+                           noise="blt", bands=2)
+
+
+def test_blt_buffers_travel_with_the_keras_file_and_continue_the_same_stream(tmp_path):
+  """Oracle: an uninterrupted run with the same initial weights and seeds."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
+  plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
+                     noise_multiplier=1.0, delta=1e-5, seed=3)
+
+  def model():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    m = tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+    m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, momentum=0.9,
+                                        noise_multiplier=1.0, seed=4,
+                                        blt_parameters=[list(TWO.theta), list(TWO.omega)]),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+  def fit(m, steps):
+    m.fit(plan.dataset(x, y, model=m), steps_per_epoch=steps, epochs=1, verbose=0)
+
+  straight = model()
+  fit(straight, 4)
+  first = model()
+  fit(first, 2)
+  first.save(str(tmp_path / "m.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  assert loaded.optimizer.blt_parameters == first.optimizer.blt_parameters
+  fit(loaded, 2)
+  assert ledger_lib.ledger_of(loaded).steps == 4
+  for a, b in zip(straight.get_weights(), loaded.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
