@@ -1,4 +1,6 @@
-"""Correlated noise in the train step: ``w = C^{-1} z`` for a banded Toeplitz ``C``.
+"""Correlated noise in the train step: ``w = C^{-1} z`` for a banded Toeplitz ``C``
+(:class:`BandedNoise`) or a BLT (:class:`BLTNoise`, :func:`blt_step`; no plan accounts
+for it yet: the ledger records it as ``BLT_BANDS`` and every report refuses it).
 
 The optimizer applies ``(sum_t + sigma S w_t) / D`` instead of
 ``(sum_t + sigma S z_t) / D``, with ``z_t`` the i.i.d. ``N(0, I)`` draw of
