@@ -187,11 +187,23 @@ def _take(iterator, count):
 
 
 def _check_correlated_noise(model, ledger) -> None:
-  """Correlated noise (:mod:`tf_dpnsgd.correlated`): the optimizer's buffers must continue
-  the ledger's ``[lineage, generation, step]`` (a rollback, a reloaded model whose optimizer
-  state was not restored, or a new optimizer mid-run cannot continue the banded stream).
+  """Correlated noise (:mod:`tf_dpnsgd.correlated`): the optimizer's ``b`` must be the one
+  of the steps in the ledger (independent noise, ``b = 1``, cannot continue a correlated
+  history, nor the reverse), and its buffers must continue the ledger's
+  ``[lineage, generation, step]`` (a rollback, a reloaded model whose optimizer state was
+  not restored, or a new optimizer mid-run cannot continue the banded stream).
   Checked on the host before the step: nothing runs, nothing is counted."""
-  band = getattr(getattr(model, "optimizer", None), "band_noise", None)
+  optimizer = getattr(model, "optimizer", None)
+  bands = getattr(optimizer, "bands", 1)
+  if ledger.steps and ledger.noise_bands != bands:
+    raise ledger_lib.LedgerMismatchError(
+        f"tf_dpnsgd: the model's privacy ledger holds {ledger.steps} steps of "
+        f"{ledger_lib.noise_name(ledger.noise_bands)}, but the optimizer adds "
+        f"{ledger_lib.noise_name(bands)}: correlated and independent noise (or two "
+        "strategies) cannot be "
+        "mixed in one model's history, which no plan accounts for. Compile with the optimizer "
+        "of the steps that ran (model.save / load_model keeps it), or train a new model.")
+  band = getattr(optimizer, "band_noise", None)
   if band is None:
     return
   stream = (ledger.lineage, ledger.noise_generation, ledger.steps)

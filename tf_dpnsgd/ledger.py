@@ -80,7 +80,9 @@ step runs only if
    skip), the sampler fingerprint equals the ledger's, and, for ``shuffle``
    batches within an epoch, the sampler seed hash equals the ledger's (a new
    seed would be a new permutation: examples twice in one epoch; a new epoch
-   may start with a new seed). Poisson and uniform steps
+   may start with a new seed), and for ``cyclic_poisson`` batches after step 0
+   too (a new seed would be a new partition for the rest of the run:
+   :func:`seed_must_match`). Poisson and uniform steps
    are independent draws whatever the seed, so a resume with a fresh seed is
    accepted there;
 3. untagged batches: only from in-memory arrays that Keras itself batches
@@ -176,6 +178,72 @@ def seed_hash(seed: int) -> int:
   """
   digest = hashlib.sha256(b"tf_dpnsgd.sampler_seed|" + str(int(seed)).encode()).digest()
   return max(int.from_bytes(digest[:8], "little") >> 1, 1)
+
+
+def seed_must_match(kind: str, steps: int, period: int) -> bool:
+  """Whether a batch of ``kind`` at ledger step ``steps`` must come from the sampler seed of
+  the steps before it (the seed is secret; the ledger compares its hash).
+
+  * ``shuffle`` within an epoch (``period`` steps): a new seed is a new permutation, so an
+    example could run twice in one epoch;
+  * ``cyclic_poisson`` after step 0: a new seed is a new partition, so an example could run
+    in two steps fewer than ``b`` apart, outside the banded mechanism's sensitivity
+    (disjoint columns) and the accounting (Choquette-Choo et al. 2023, Thm. 4 fixes one
+    partition for the whole run);
+  * ``poisson`` / ``uniform``: every step is an independent draw; any seed may resume.
+
+  >>> seed_must_match("shuffle", 3, 5), seed_must_match("shuffle", 5, 5)
+  (True, False)
+  >>> seed_must_match("cyclic_poisson", 0, 0), seed_must_match("cyclic_poisson", 7, 0)
+  (False, True)
+  >>> seed_must_match("poisson", 7, 0)
+  False
+  """
+  if kind == "shuffle":
+    return period > 0 and steps % period != 0
+  if kind == "cyclic_poisson":
+    return steps > 0
+  return False
+
+
+_NEW_SEED_MESSAGES = {
+    "shuffle": (
+        "tf_dpnsgd: this shuffle batch comes from a sampler with another seed than the steps "
+        "in the model's privacy ledger. A new seed is a new permutation, so examples would "
+        "run twice in one epoch (shuffle accounting assumes at most once). Resume with the "
+        "original plan's seed: PrivacyPlan(..., seed=<the seed of the first run>), kept as "
+        "secret as the data (plan.seed), or use sampling='poisson', whose steps are "
+        "independent whatever the seed."),
+    "cyclic_poisson": (
+        "tf_dpnsgd: this cyclic-Poisson batch comes from a sampler with another seed than the "
+        "steps in the model's privacy ledger. A new seed is a new secret partition of the data, "
+        "so an example could take part in two steps fewer than `bands` apart: the banded "
+        "noise's sensitivity and its accounting hold for one partition per run (a model "
+        "reloaded with make_private's own plan draws a new seed; the seed is never saved). "
+        "Resume with the original plan's seed: plan = PrivacyPlan(..., sampling="
+        "'cyclic_poisson', bands=b, seed=<the first run's plan.seed>), kept as secret as the "
+        "data, and model.fit(plan.dataset(x, y, model=model), **plan.fit_kwargs(model)); or "
+        "train a new model."),
+}
+
+
+BLT_BANDS = -2  # noise_bands of BLT noise (tf_dpnsgd.correlated.blt): no plan accounts for it
+
+
+def noise_name(bands: int) -> str:
+  """The mechanism a ``noise_bands`` code names (the ledger's entry, an optimizer's
+  ``bands``), for messages.
+
+  >>> noise_name(1), noise_name(4), noise_name(BLT_BANDS), noise_name(-1)
+  ('independent noise (b = 1)', '4-banded noise (BandMF)', 'BLT noise', 'mixed noise')
+  """
+  if bands == 1:
+    return "independent noise (b = 1)"
+  if bands == BLT_BANDS:
+    return "BLT noise"
+  if bands < 0:
+    return "mixed noise"
+  return f"{bands}-banded noise (BandMF)"
 
 
 def _random_lineage() -> int:
@@ -277,7 +345,8 @@ class PrivacyLedger(keras.layers.Layer):
 
   @property
   def noise_bands(self) -> int:
-    """``b`` of the noise every step used (1: independent; -1: steps of different ``b``)."""
+    """``b`` of the noise every step used (1: independent; -1: steps of different ``b``;
+    :data:`BLT_BANDS`: BLT noise), see :func:`noise_name`."""
     return int(self._vars["noise_bands"].numpy()) or 1  # 0: no step, or written before it
 
   @property
@@ -545,16 +614,9 @@ class PrivacyLedger(keras.layers.Layer):
     if summary.seed_min != summary.seed_max:
       raise LedgerMismatchError("tf_dpnsgd: the rows of this batch come from samplers with "
                                 "different seeds.")
-    mid_epoch = summary.period > 0 and steps % summary.period != 0
-    if (KIND_NAMES[kind] == "shuffle" and mid_epoch and state["sampler_seed_hash"] not in
-        (0, summary.seed_min)):
-      raise LedgerMismatchError(
-          "tf_dpnsgd: this shuffle batch comes from a sampler with another seed than the steps "
-          "in the model's privacy ledger. A new seed is a new permutation, so examples would "
-          "run twice in one epoch (shuffle accounting assumes at most once). Resume with the "
-          "original plan's seed: PrivacyPlan(..., seed=<the seed of the first run>), kept as "
-          "secret as the data (plan.seed), or use sampling='poisson', whose steps are "
-          "independent whatever the seed.")
+    if (seed_must_match(KIND_NAMES[kind], steps, summary.period)
+        and state["sampler_seed_hash"] not in (0, summary.seed_min)):
+      raise LedgerMismatchError(_NEW_SEED_MESSAGES[KIND_NAMES[kind]])
 
   # --- the train step (graph) -----------------------------------------------
   def step(self) -> tf.Tensor:

@@ -115,7 +115,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, noise_multiplier=None, regularizer=None,
                l2_norm_clip=None, seed=None, num_microbatches=None,
                target_unclipped_quantile=None, clip_learning_rate=None,
-               clipped_count_stddev=None, name=None, band_coefficients=None, **kwargs):
+               clipped_count_stddev=None, name=None, band_coefficients=None,
+               blt_parameters=None, **kwargs):
     if kwargs:
       raise ValueError(f"{type(self).__name__} does not take {sorted(kwargs)}; set optimizer "
                        "options on the wrapped optimizer.")
@@ -125,7 +126,10 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     adaptive, count_stddev = noise_lib.make_adaptive_clip(
         noise_multiplier or 0.0, regularizer, l2_norm_clip, target_unclipped_quantile,
         clip_learning_rate, clipped_count_stddev)
-    band_noise = _correlated.banded_noise(band_coefficients, adaptive)
+    if band_coefficients is not None and blt_parameters is not None:
+      raise ValueError("Give band_coefficients (BandMF) or blt_parameters (BLT), not both.")
+    band_noise = (_correlated.blt_noise(blt_parameters, adaptive) if blt_parameters is not None
+                  else _correlated.banded_noise(band_coefficients, adaptive))
     inner = _check_inner(inner_optimizer)
     super().__init__(learning_rate=0.0, name=name or f"private_{inner.name}")
     self.band_noise = band_noise  # None: independent noise (tf_dpnsgd.correlated.noise)
@@ -175,7 +179,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     """
     coefficients = _correlated.validate_coefficients(coefficients)
     if self.band_noise is not None:
-      if len(self.band_noise.coefficients) != len(coefficients) or not all(
+      if not isinstance(self.band_noise, _correlated.BandedNoise) or len(
+          self.band_noise.coefficients) != len(coefficients) or not all(
           math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
           for a, b in zip(self.band_noise.coefficients, coefficients)):
         raise ValueError(
@@ -468,16 +473,26 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
             "target_unclipped_quantile": self.target_unclipped_quantile,
             "clip_learning_rate": self.clip_learning_rate,
             "clipped_count_stddev": self.clipped_count_stddev,
-            "band_coefficients": self.band_coefficients}
+            "band_coefficients": self.band_coefficients, "blt_parameters": self.blt_parameters}
 
   @property
   def band_coefficients(self):
-    """The banded strategy's ``(c_0, ..., c_{b-1})``, or None (independent noise)."""
-    return None if self.band_noise is None else list(self.band_noise.coefficients)
+    """The banded strategy's ``(c_0, ..., c_{b-1})``, or None (independent or BLT noise)."""
+    if not isinstance(self.band_noise, _correlated.BandedNoise):
+      return None
+    return list(self.band_noise.coefficients)
+
+  @property
+  def blt_parameters(self):
+    """The BLT's ``[theta, omega]`` (:mod:`tf_dpnsgd.correlated.blt`), or None."""
+    if not isinstance(self.band_noise, _correlated.BLTNoise):
+      return None
+    return [list(self.band_noise.strategy.theta), list(self.band_noise.strategy.omega)]
 
   @property
   def bands(self) -> int:
-    """``b`` of the correlated noise (1: independent noise, what the ledger records)."""
+    """``b`` of the correlated noise (1: independent noise; ``BLT_BANDS`` = -2 for BLT
+    noise), what the ledger records."""
     return 1 if self.band_noise is None else self.band_noise.bands
 
   def get_config(self):
@@ -544,17 +559,18 @@ class _Named(PrivateOptimizer):
           f"so {adaptive_given} (quantile-adaptive clipping) does not apply. Use DPSGD or "
           "DPAdam (l2_norm_clip=..., target_unclipped_quantile=...) for adaptive clipping.")
     base_kwargs = {k: v for k, v in base_kwargs.items() if k not in noise_lib.ADAPTIVE_KEYS}
-    unknown = set(base_kwargs) - _BASE_KEYS - {"band_coefficients"}
+    unknown = set(base_kwargs) - _BASE_KEYS - {"band_coefficients", "blt_parameters"}
     if unknown:
       raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(unknown)}.")
     if regularizer is None and l2_norm_clip is None:
       raise ValueError(f"{type(self).__name__} needs `{self._signature[0]}` (> 0); "
                        "`noise_multiplier` (>= 0) too, unless the model's privacy plan sets it.")
     band_coefficients = base_kwargs.pop("band_coefficients", None)
+    blt_parameters = base_kwargs.pop("blt_parameters", None)
     inner = self._inner_cls(learning_rate=learning_rate, **inner_kwargs, **base_kwargs)
     super().__init__(inner, noise_multiplier=noise_multiplier, regularizer=regularizer,
                      l2_norm_clip=l2_norm_clip, seed=seed, num_microbatches=num_microbatches,
-                     band_coefficients=band_coefficients,
+                     band_coefficients=band_coefficients, blt_parameters=blt_parameters,
                      name=name or type(self).__name__.lower(), **(adaptive_kwargs or {}))
 
   _signature = ()
@@ -565,7 +581,7 @@ class _Named(PrivateOptimizer):
     config.update({k: inner[k] for k in _BASE_KEYS if k in inner})
     dp = self._dp_config()
     for key in ("name", "noise_multiplier", "seed", "num_microbatches",
-                "band_coefficients") + self._signature:
+                "band_coefficients", "blt_parameters") + self._signature:
       config[key] = dp[key]
     return config
 

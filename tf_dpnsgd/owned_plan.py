@@ -97,6 +97,14 @@ def noise_mechanism(noise, bands, sampling):
     if bands not in (None, 1):
       raise ValueError(f"`bands={bands!r}` needs noise='bandmf' (correlated noise).")
     return sampling, None
+  if noise == "blt":
+    raise ValueError(
+        "noise='blt': BLT noise has no privacy accounting in tf_dpnsgd yet (its columns overlap "
+        "at every distance, so cyclic Poisson amplification, Choquette-Choo et al. 2023 Thm. 4, "
+        "does not apply) and a private model reports only what it can account. Use "
+        "noise='bandmf', or for experiments without an epsilon the explicit path with "
+        "tf_dpnsgd.DPSGD(..., blt_parameters=[theta, omega]) "
+        "(tf_dpnsgd.correlated.blt.optimize_blt).")
   if noise != "bandmf":
     raise ValueError(f"`noise` must be one of {NOISE_MECHANISMS}; got {noise!r}.")
   if isinstance(bands, bool) or not isinstance(bands, int) or bands < 2:

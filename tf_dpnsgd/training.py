@@ -415,6 +415,7 @@ class _DPTrainer:
           "into: call it on a batch first (model(x[:1])) or model.build(input_shape).")
     ledger = self.privacy_ledger
     object.__setattr__(ledger, "_loading_source", str(filepath))
+    _build_correlated_optimizer(self)
     try:
       return super().load_weights(filepath, *args, **kwargs)
     finally:
@@ -836,6 +837,23 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
     config["model"] = keras.saving.deserialize_keras_object(config["model"],
                                                           custom_objects=custom_objects)
     return cls(**config)
+
+
+def _build_correlated_optimizer(model) -> None:
+  """Builds a compiled, unbuilt correlated-noise optimizer before ``load_weights``.
+
+  Keras loads an optimizer's variables only if it has as many as the file (else it warns
+  and skips them): a fresh model's optimizer is unbuilt, so the banded buffers
+  (:mod:`tf_dpnsgd.correlated.noise`) saved with the ledger would be dropped and the
+  reloaded model refused at its next step. Built here on the variables the train step
+  builds it on (:meth:`_DPTrainer.make_train_function`), they load with the ledger.
+  """
+  optimizer = getattr(model, "optimizer", None)
+  if (getattr(optimizer, "band_noise", None) is None or optimizer.built
+      or not model.trainable_variables):
+    return
+  with model.distribute_strategy.scope():
+    optimizer.build(model.trainable_variables)
 
 
 def _file_has_ledger(filepath) -> bool:

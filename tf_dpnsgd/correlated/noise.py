@@ -1,4 +1,6 @@
-"""Correlated noise in the train step: ``w = C^{-1} z`` for a banded Toeplitz ``C``.
+"""Correlated noise in the train step: ``w = C^{-1} z`` for a banded Toeplitz ``C``
+(:class:`BandedNoise`) or a BLT (:class:`BLTNoise`, :func:`blt_step`; no plan accounts
+for it yet: the ledger records it as ``BLT_BANDS`` and every report refuses it).
 
 The optimizer applies ``(sum_t + sigma S w_t) / D`` instead of
 ``(sum_t + sigma S z_t) / D``, with ``z_t`` the i.i.d. ``N(0, I)`` draw of
@@ -33,7 +35,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd.correlated import blt as blt_lib
 from tf_dpnsgd.correlated import strategy as strategy_lib
 
 FRESH = -1  # the position of buffers that never ran a step
@@ -76,27 +80,64 @@ def banded_step(z: Sequence[tf.Tensor], history: Sequence[Sequence[tf.Tensor]],
   return out
 
 
-class BandedNoise:
-  """The recursion's state and step, owned by a :class:`tf_dpnsgd.PrivateOptimizer`."""
+def blt_step(z: Sequence[tf.Tensor], buffers: Sequence[Sequence[tf.Tensor]], theta, omega):
+  """One step of ``w = C^{-1} z`` for a BLT (:mod:`tf_dpnsgd.correlated.blt`), per variable::
 
-  def __init__(self, coefficients):
-    self.coefficients = validate_coefficients(coefficients)
-    self.history = []  # history[k - 1][j]: w_{t-k} of variable j
+      w_t = z_t - sum_i omega_i s_{i,t},     s_{i,t+1} = theta_i s_{i,t} + w_t
+
+  Args:
+    z: this step's i.i.d. draws, one tensor per variable.
+    buffers: ``buffers[i][j]`` is ``s_{i,t}`` of variable ``j``.
+    theta, omega: the BLT's buffer decays and output scales.
+
+  Returns:
+    ``(w, new_buffers)``: ``w_t`` per variable and ``s_{i,t+1}``.
+  """
+  theta, omega = [float(v) for v in theta], [float(v) for v in omega]
+  w = []
+  for j, zj in enumerate(z):
+    acc = zj
+    for i, o in enumerate(omega):
+      acc = acc - o * tf.cast(buffers[i][j], zj.dtype)
+    w.append(acc)
+  new = [[theta[i] * tf.cast(buffers[i][j], zj.dtype) + w[j] for j, zj in enumerate(z)]
+         for i in range(len(theta))]
+  return w, new
+
+
+class _StreamNoise:
+  """The state and step of a streaming ``C^{-1} z``, owned by a :class:`tf_dpnsgd.PrivateOptimizer`.
+
+  Subclasses give the state's size (:meth:`_state_count`), the variable names
+  (:attr:`_prefix`) and one step (:meth:`_next`); the position check, the draws and the
+  update are shared (see the module doc).
+  """
+
+  _prefix = ""
+
+  def __init__(self):
+    self.history = []  # history[i][j]: state slot i of variable j
     self.position = None
 
-  @property
-  def bands(self) -> int:
-    return len(self.coefficients)
+  def _state_count(self) -> int:
+    raise NotImplementedError
+
+  def _state_name(self, i: int, j: int) -> str:
+    raise NotImplementedError
+
+  def _next(self, z, state):
+    """``(w_t, new_state)`` from this step's draws and the state."""
+    raise NotImplementedError
 
   def build(self, optimizer: keras.optimizers.Optimizer, var_list) -> None:
-    """Creates the buffers (float32, one per variable and lag) and the position."""
+    """Creates the state (float32, one buffer per variable and slot) and the position."""
     self.history = [[optimizer.add_variable(shape=v.shape, dtype="float32",
-                                            initializer="zeros", name=f"bandmf_w{k}_{j}",
+                                            initializer="zeros", name=self._state_name(i, j),
                                             aggregation="only_first_replica")
                      for j, v in enumerate(var_list)]
-                    for k in range(1, self.bands)]
+                    for i in range(self._state_count())]
     self.position = optimizer.add_variable(
-        shape=(3,), dtype="int64", name="bandmf_position",
+        shape=(3,), dtype="int64", name=f"{self._prefix}_position",
         initializer=keras.initializers.Constant(FRESH), aggregation="only_first_replica")
 
   def continues(self, stream: tf.Tensor) -> tf.Tensor:
@@ -115,7 +156,7 @@ class BandedNoise:
     return (all(p == FRESH for p in position) and stream[-1] == 0) or position == stream
 
   def privatize(self, summed, denominator, *, key, step, stddev, user_seeded) -> list:
-    """``(summed + stddev * w_t) / D``; advances the buffers to step ``t + 1``.
+    """``(summed + stddev * w_t) / D``; advances the state to step ``t + 1``.
 
     ``step``: the ledger's ``[lineage, generation, step]`` (a vector: the position check
     needs all three). NaN noise (and a failed assertion where they run) unless
@@ -125,8 +166,8 @@ class BandedNoise:
       raise ValueError("Correlated noise needs a fixed noise std (no adaptive clipping).")
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
-      raise NotImplementedError("Correlated noise (band_coefficients) is not implemented "
-                                "under a tf.distribute strategy with several replicas.")
+      raise NotImplementedError("Correlated noise is not implemented under a tf.distribute "
+                                "strategy with several replicas.")
     step = tf.cast(step, tf.int64)
     if step.shape.rank != 1 or step.shape[0] != 3:
       raise ValueError("Correlated noise needs the ledger's [lineage, generation, step].")
@@ -135,24 +176,84 @@ class BandedNoise:
         "tf_dpnsgd: the correlated-noise buffers (position [lineage, generation, step]) do "
         "not continue the model's privacy ledger at", step, "buffers at", self.position,
         ": after a rollback (noise_generation moved) or with a new optimizer mid-run the "
-        "banded mechanism cannot continue; train a new model (or restore the optimizer state "
-        "saved with the ledger)."])
+        "correlated mechanism cannot continue; train a new model (or restore the optimizer "
+        "state saved with the ledger)."])
     seed = noise_lib.step_seed(tf.constant(key, tf.int64), noise_lib.stream(step, user_seeded))
     z = noise_lib.add_gaussian_noise([tf.zeros(tf.shape(s), tf.float32) for s in summed],
                                      1.0, seed)  # the draws of the independent mechanism
-    w = banded_step(z, [[h.value for h in lag] for lag in self.history], self.coefficients)
+    # Snapshots (a variable's .value may alias it): every new slot reads the old state.
+    state = [[tf.identity(h.value) for h in slot] for slot in self.history]
+    w, new_state = self._next(z, state)
     w = [tf.where(ok, wj, tf.constant(float("nan"), tf.float32)) for wj in w]
     with tf.control_dependencies([check]):
-      for k in range(len(self.history) - 1, 0, -1):  # w_{t-k} <- w_{t-k+1}
-        for j, h in enumerate(self.history[k]):
-          h.assign(self.history[k - 1][j].value)
-      if self.history:
-        for j, h in enumerate(self.history[0]):
-          h.assign(w[j])
+      for slot, values in zip(self.history, new_state):
+        for h, value in zip(slot, values):
+          h.assign(value)
       self.position.assign(step + tf.constant([0, 0, 1], tf.int64))
       denominator = tf.cast(denominator, tf.float32)
       return [(s + tf.cast(stddev * wj, s.dtype)) / tf.cast(denominator, s.dtype)
               for s, wj in zip(summed, w)]
+
+
+class BandedNoise(_StreamNoise):
+  """``b``-banded ``C``: the state is ``w_{t-1}, ..., w_{t-b+1}`` (:func:`banded_step`)."""
+
+  _prefix = "bandmf"
+
+  def __init__(self, coefficients):
+    super().__init__()
+    self.coefficients = validate_coefficients(coefficients)
+
+  @property
+  def bands(self) -> int:
+    return len(self.coefficients)
+
+  def _state_count(self) -> int:
+    return self.bands - 1
+
+  def _state_name(self, i, j):
+    return f"bandmf_w{i + 1}_{j}"
+
+  def _next(self, z, state):
+    w = banded_step(z, state, self.coefficients)
+    return w, ([w] + state[:-1]) if state else []
+
+
+BLT_BANDS = ledger_lib.BLT_BANDS  # what the ledger records for BLT noise
+noise_name = ledger_lib.noise_name
+
+
+class BLTNoise(_StreamNoise):
+  """A BLT ``C`` (:mod:`tf_dpnsgd.correlated.blt`): the state is ``d`` buffers
+  ``s_{i,t}`` (:func:`blt_step`), whatever the number of steps."""
+
+  _prefix = "blt"
+  bands = BLT_BANDS
+
+  def __init__(self, theta, omega):
+    super().__init__()
+    self.strategy = blt_lib.BLTStrategy(tuple(theta), tuple(omega))
+
+  def _state_count(self) -> int:
+    return self.strategy.buffers
+
+  def _state_name(self, i, j):
+    return f"blt_s{i}_{j}"
+
+  def _next(self, z, state):
+    return blt_step(z, state, self.strategy.theta, self.strategy.omega)
+
+
+def blt_noise(blt_parameters, adaptive_clip=None):
+  """The optimizer's :class:`BLTNoise` for ``blt_parameters = (theta, omega)``, or None.
+  Refuses adaptive clipping (its noise std changes every step)."""
+  if blt_parameters is None:
+    return None
+  if adaptive_clip is not None:
+    raise ValueError("blt_parameters (correlated noise) with quantile-adaptive clipping: the "
+                     "noise std changes every step. Use a fixed clip.")
+  theta, omega = blt_parameters
+  return BLTNoise(theta, omega)
 
 
 def banded_noise(band_coefficients, adaptive_clip=None):
@@ -169,5 +270,5 @@ def banded_noise(band_coefficients, adaptive_clip=None):
   return BandedNoise(band_coefficients)
 
 
-__all__ = ["BandedNoise", "FRESH", "banded_noise", "banded_step", "bandmf",
-           "validate_coefficients"]
+__all__ = ["BLTNoise", "BLT_BANDS", "BandedNoise", "FRESH", "banded_noise", "banded_step",
+           "bandmf", "blt_noise", "blt_step", "noise_name", "validate_coefficients"]

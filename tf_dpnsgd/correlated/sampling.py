@@ -122,6 +122,12 @@ def make_sampler(sampling: str, dataset_size: int, batch_size: int,
 def check_optimizer_bands(optimizer, bands: int) -> None:
   """Raises ``ValueError`` unless ``optimizer``'s noise has the plan's ``b`` (1: independent)."""
   used = getattr(optimizer, "bands", 1)
+  if used == ledger_lib.BLT_BANDS:
+    raise ValueError(
+        "The optimizer adds BLT noise (blt_parameters), which no privacy plan accounts for yet: "
+        "a BLT's columns overlap at every distance, so the amplification of cyclic Poisson "
+        "sampling (Choquette-Choo et al. 2023, Thm. 4) does not apply. Use band_coefficients "
+        "(BandMF) or independent noise for a reported epsilon.")
   if used != bands:
     raise ValueError(
         f"The optimizer adds noise with b = {used} bands but the plan accounts for b = {bands} "
@@ -135,9 +141,8 @@ def check_ledger_noise(ledger, bands: int) -> list:
   used noise of the plan's ``b``; returns notes for the report."""
   recorded = ledger.noise_bands
   if recorded != bands:
-    what = "steps with different b" if recorded < 0 else f"b = {recorded}"
     raise ledger_lib.LedgerMismatchError(
-        f"The model's privacy ledger holds steps whose noise had {what} (1: independent), but "
+        f"The model's privacy ledger holds steps of {ledger_lib.noise_name(recorded)}, but "
         f"this plan accounts for b = {bands}: correlated and independent noise (or two "
         "bands) cannot be mixed in one model's history.")
   if bands == 1:
@@ -147,8 +152,9 @@ def check_ledger_noise(ledger, bands: int) -> list:
            "(Choquette-Choo et al. 2023, Thm. 4)."]
   if ledger.noise_generation:
     notes.append(f"The ledger was rolled back {ledger.noise_generation} time(s); the "
-                 "correlated stream refuses to continue after a rollback (its steps since "
-                 "are NaN-noised and refused), so every accounted step is of one stream.")
+                 "correlated stream refuses to continue after a rollback (the guard refuses "
+                 "the step before it runs), so every accounted step is of one stream; the "
+                 "steps of the abandoned branch stay counted.")
   return notes
 
 

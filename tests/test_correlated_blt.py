@@ -1,0 +1,179 @@
+"""tf_dpnsgd.correlated.blt and BLT noise in the optimizer, against dense oracles.
+
+Oracles: the materialized Toeplitz matrix (np.linalg.solve, the dense Frobenius norm),
+brute-force enumeration of every participation pattern (strategy.sensitivity), and the
+empirical prefix-sum error of the noise the optimizer applies."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpnsgd
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd.correlated import blt as bl
+from tf_dpnsgd.correlated import noise as cn
+from tf_dpnsgd.correlated import strategy as st
+from tf_dpnsgd.plan import PrivacyPlan
+
+LINEAGE = 7
+TWO = bl.BLTStrategy((0.9, 0.5), (0.3, 0.2))  # c_k = 0.3 * 0.9^(k-1) + 0.2 * 0.5^(k-1)
+
+
+def test_coefficients_and_matrix_by_hand():
+  np.testing.assert_allclose(TWO.coefficients(4), [1.0, 0.5, 0.3 * 0.9 + 0.1, 0.3 * 0.81 + 0.05])
+  C = TWO.matrix(4)
+  np.testing.assert_allclose(C[3], [0.3 * 0.81 + 0.05, 0.3 * 0.9 + 0.1, 0.5, 1.0])
+  assert np.all(np.triu(C, 1) == 0)
+
+
+def test_blt_step_is_the_inverse_of_c():
+  n, d = 12, 3
+  z = np.random.default_rng(0).normal(size=(n, d)).astype(np.float32)
+  buffers, ws = [[tf.zeros(d)] for _ in range(TWO.buffers)], []
+  for t in range(n):
+    w, buffers = cn.blt_step([tf.constant(z[t])], buffers, TWO.theta, TWO.omega)
+    ws.append(w[0].numpy())
+  np.testing.assert_allclose(np.stack(ws), np.linalg.solve(TWO.matrix(n), z), rtol=1e-4,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", [
+    TWO, bl.BLTStrategy((0.99,), (0.9,)), bl.BLTStrategy((0.2, 0.6, 0.95), (0.1, 0.1, 0.05)),
+    bl.optimize_blt(12, 2, separation=3)])
+def test_minsep_sensitivity_matches_brute_force(strategy):
+  n = 12
+  C = strategy.matrix(n)
+  for separation in (1, 2, 3, 5):
+    assert bl.minsep_sensitivity(strategy, n, separation) == pytest.approx(
+        st.sensitivity(C, None, separation=separation), rel=1e-12)
+    for k in (1, 2):
+      assert bl.minsep_sensitivity(strategy, n, separation, k) == pytest.approx(
+          st.sensitivity(C, k, separation=separation), rel=1e-12)
+  # One participation: the first column, the largest.
+  assert bl.minsep_sensitivity(strategy, n, 1, 1) == pytest.approx(np.linalg.norm(C[:, 0]))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_total_error_and_loss_match_the_dense_formula(momentum):
+  n, separation = 40, 4
+  A = st.workload_matrix(n, momentum)
+  dense = np.linalg.norm(A @ np.linalg.inv(TWO.matrix(n)), "fro") ** 2
+  assert bl.total_error(TWO, n, momentum) == pytest.approx(dense, rel=1e-9)
+  k = -(-n // separation)
+  identity_loss = k * np.linalg.norm(A, "fro") ** 2  # DP-SGD: sensitivity sqrt(k), C = I
+  best = bl.optimize_blt(n, 2, separation, momentum)
+  print(f"momentum {momentum}: BLT(2) loss / n {bl.loss(best, n, separation, momentum) / n:.2f}"
+        f", DP-SGD {identity_loss / n:.2f}")
+  assert bl.loss(best, n, separation, momentum) < 0.8 * identity_loss
+
+
+def _applied_noise_prefix_sums(blt_parameters, n, dim, seed, momentum=0.0):
+  """Parameters of SGD (lr 1) on zero gradients, sigma = 1, S = 1, D = 1: minus the prefix
+  sums (the momentum workload for momentum > 0) of the applied noise, ``[n, dim]``."""
+  opt = tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed,
+                        momentum=momentum, blt_parameters=blt_parameters)
+  v = keras.Variable(np.zeros(dim, np.float32))
+  out = []
+  for t in range(n):
+    opt.apply_private_gradients([tf.zeros(dim)], 1.0, [v],
+                                step=tf.constant([LINEAGE, 0, t], tf.int64))
+    out.append(-v.numpy())
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_empirical_prefix_sum_error_matches_the_factorization(momentum):
+  n, dim, seeds = 16, 4000, (0, 1, 2)
+  blt = bl.optimize_blt(n, 2, separation=4, momentum=momentum)
+  predicted = bl.total_error(blt, n, momentum) / n
+  independent = st.identity_strategy(n, momentum).error / n
+  sums = np.concatenate([_applied_noise_prefix_sums([list(blt.theta), list(blt.omega)], n,
+                                                    dim, s, momentum) for s in seeds], axis=1)
+  got = float(np.mean(np.sum(sums ** 2, axis=0))) / n
+  print(f"momentum {momentum}: BLT {blt}: predicted {predicted:.4f} empirical {got:.4f} "
+        f"(independent {independent:.4f})")
+  # 12000 independent coordinates: the relative standard error is below 2%.
+  assert got == pytest.approx(predicted, rel=0.05)
+  assert got < independent
+
+
+def test_optimizer_config_round_trip_and_refusals():
+  params = [list(TWO.theta), list(TWO.omega)]
+  opt = tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                        blt_parameters=params)
+  again = tf_dpnsgd.DPSGD.from_config(opt.get_config())
+  assert again.blt_parameters == params and again.band_coefficients is None
+  assert again.bands == ledger_lib.BLT_BANDS
+  with pytest.raises(ValueError, match="not both"):
+    tf_dpnsgd.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, blt_parameters=params,
+                    band_coefficients=[1.0])
+  with pytest.raises(ValueError, match="sum <= 1"):
+    bl.BLTStrategy((0.5, 0.5), (0.8, 0.8))
+  with pytest.raises(ValueError, match=r"\(0, 1\)"):
+    bl.BLTStrategy((1.0,), (0.5,))
+  plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
+                     noise_multiplier=1.0, delta=1e-5, seed=0)
+  with pytest.raises(ValueError, match="no privacy plan accounts for yet"):
+    plan.check_optimizer(opt)
+
+
+def test_a_model_trained_with_blt_noise_gets_no_epsilon():
+  """The ledger records BLT steps; no plan reports them (no amplification result here)."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
+  inputs = keras.Input((4,))
+  model = tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=1.0,
+                                          blt_parameters=[list(TWO.theta), list(TWO.omega)]),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
+                     noise_multiplier=1.0, delta=1e-5, seed=0)
+  model.fit(plan.dataset(x, y, model=model), steps_per_epoch=2, epochs=1, verbose=0)
+  ledger = ledger_lib.ledger_of(model)
+  assert ledger.steps == 2 and ledger.noise_bands == ledger_lib.BLT_BANDS
+  assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="BLT noise"):
+    plan.report(model)
+
+
+def test_make_private_refuses_blt_noise_with_what_to_do():
+  inputs = keras.Input((4,))
+  with pytest.raises(ValueError, match="no privacy accounting .* blt_parameters"):
+    tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)),
+                           noise_multiplier=1.0, delta=1e-5, batch_size=8, steps=6,
+                           noise="blt", bands=2)
+
+
+def test_blt_buffers_travel_with_the_keras_file_and_continue_the_same_stream(tmp_path):
+  """Oracle: an uninterrupted run with the same initial weights and seeds."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
+  plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
+                     noise_multiplier=1.0, delta=1e-5, seed=3)
+
+  def model():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    m = tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+    m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, momentum=0.9,
+                                        noise_multiplier=1.0, seed=4,
+                                        blt_parameters=[list(TWO.theta), list(TWO.omega)]),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+  def fit(m, steps):
+    m.fit(plan.dataset(x, y, model=m), steps_per_epoch=steps, epochs=1, verbose=0)
+
+  straight = model()
+  fit(straight, 4)
+  first = model()
+  fit(first, 2)
+  first.save(str(tmp_path / "m.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  assert loaded.optimizer.blt_parameters == first.optimizer.blt_parameters
+  fit(loaded, 2)
+  assert ledger_lib.ledger_of(loaded).steps == 4
+  for a, b in zip(straight.get_weights(), loaded.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

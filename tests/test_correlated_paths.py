@@ -1,0 +1,413 @@
+"""Correlated noise (BandMF) x every save / resume / rollback path of the privacy ledger.
+
+The twins of tests/test_save_paths_matrix.py, tests/test_fail_closed.py (rollbacks,
+BackupAndRestore, warm starts) for ``noise="bandmf"``: the banded mechanism's state is
+the optimizer's buffers ``w_{t-1}, ..., w_{t-b+1}`` and their position, and the
+accounting (Choquette-Choo et al. 2023, Thm. 4) assumes ONE secret partition of the
+data for the whole run. So after a save and a reload:
+
+* the buffers travel and a continued fit continues the SAME stream. Oracle: an
+  uninterrupted run with the same initial weights, the same (fixed) sampler seed and
+  the same (fixed) noise seed, whose weights and buffers the resumed run must match;
+* a path that loses the buffers (the base model's file) or the partition (a new sampler
+  seed) is refused before any step runs, with a message that says what to do;
+* a rollback (an older checkpoint loaded after the model advanced, in this process or
+  in a new one) is refused, and the report says the ledger was rolled back and counts
+  every executed step (oracle: dp-accounting's RDP epsilon of PoissonSampled(bB/N)
+  composed ceil(steps / b) times, built here);
+* independent noise cannot continue a correlated model, nor the reverse: refused
+  before the step, not only at the report.
+
+Tiny models (5 -> 4 -> 3), N = 64, B = 8, b = 2, 3 + 3 steps.
+"""
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpnsgd
+from tf_dpnsgd import accounting
+from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd.correlated import noise as cn
+from tf_dpnsgd.plan import PrivacyPlan
+
+N, B, BANDS, STEPS, FIRST, SIGMA, DELTA = 64, 8, 2, 6, 3, 2.0, 1e-5
+SAMPLER_SEED, NOISE_SEED = 5, 11
+KINDS = ("sequential", "functional", "nested", "subclassed")
+PATHS = ("keras_file", "weights_file", "tf_checkpoint", "base_keras_file")
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd_correlated_tests")
+class TinySubclassed(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(4, activation="tanh")
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+
+def _build(kind):
+  keras.utils.set_random_seed(1)  # the same initial weights for every run of a kind
+  if kind == "sequential":
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.Dense(3)])
+  if kind == "functional":
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
+  if kind == "nested":
+    inner_in = keras.Input((5,))
+    inner = keras.Model(inner_in, keras.layers.Dense(4, activation="tanh")(inner_in),
+                        name="inner")
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(3)(inner(inputs)))
+  model = TinySubclassed()
+  model(np.zeros((1, 5), np.float32))
+  return model
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return rng.normal(size=(N, 5)).astype(np.float32), rng.integers(0, 3, N)
+
+
+def _plan(seed=SAMPLER_SEED, bands=BANDS, sampling="cyclic_poisson"):
+  return PrivacyPlan(dataset_size=N, batch_size=B, sampling=sampling, bands=bands, steps=STEPS,
+                     noise_multiplier=SIGMA, delta=DELTA, seed=seed)
+
+
+def _optimizer(band_coefficients=None):
+  return tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, momentum=0.9, seed=NOISE_SEED,
+                         band_coefficients=band_coefficients)
+
+
+def _private(base, plan=None):
+  """One call: the model owns ``plan`` and hands its banded strategy to the optimizer."""
+  model = tf_dpnsgd.make_private(base, plan=plan or _plan())
+  model.compile(optimizer=_optimizer(), loss=LOSS)
+  return model
+
+
+def _fit(model, steps, plan=None):
+  plan = plan or _plan()
+  x, y = _data()
+  model.fit(plan.dataset(x, y, model=model), steps_per_epoch=steps, epochs=1, verbose=0)
+
+
+def _buffers(model):
+  """The banded state: ``{name: value}`` of the optimizer's ``bandmf_*`` variables."""
+  return {v.name: np.asarray(v.numpy()) for v in model.optimizer.variables
+          if v.name.startswith("bandmf_")}
+
+
+def _oracle_epsilon(steps, bands=BANDS):
+  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  acc.compose(dp_accounting.PoissonSampledDpEvent(
+      bands * B / N, dp_accounting.GaussianDpEvent(SIGMA)), -(-steps // bands))
+  return acc.get_epsilon(DELTA)
+
+
+def _assert_same(a, b):
+  assert len(a) == len(b)
+  for u, v in zip(a, b):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+
+
+def _assert_same_buffers(got, expected):
+  """The noise buffers ``w_{t-k}`` equal (the position holds each run's own lineage)."""
+  assert sorted(got) == sorted(expected)
+  for name, value in expected.items():
+    if name.startswith("bandmf_w"):
+      np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+_STRAIGHT = {}
+
+
+def _straight(kind):
+  """Weights and buffers of the uninterrupted run of ``kind`` (STEPS steps): the oracle."""
+  if kind not in _STRAIGHT:
+    model = _private(_build(kind))
+    _fit(model, STEPS)
+    _STRAIGHT[kind] = (model.get_weights(), _buffers(model))
+  return _STRAIGHT[kind]
+
+
+def _save(model, base, path, folder):
+  if path == "keras_file":
+    model.save(str(folder / "m.keras"))
+  elif path == "weights_file":
+    model.save_weights(str(folder / "m.weights.h5"))
+  elif path == "tf_checkpoint":
+    return tf.train.Checkpoint(model=model).write(str(folder / "ckpt"))
+  else:
+    base.save(str(folder / "base.keras"))
+  return None
+
+
+def _load(path, kind, folder, checkpoint=None):
+  if path == "keras_file":
+    return keras.models.load_model(str(folder / "m.keras"))
+  if path == "base_keras_file":
+    return _private(keras.models.load_model(str(folder / "base.keras")))
+  model = _private(_build(kind))
+  if path == "weights_file":
+    model.load_weights(str(folder / "m.weights.h5"))
+  else:
+    tf.train.Checkpoint(model=model).read(checkpoint).expect_partial()
+  return model
+
+
+# The README's model (Sequential, .keras) in the quick tier; the rest of the matrix is slow.
+MATRIX = [pytest.param(kind, path, marks=() if (kind, path) == ("sequential", "keras_file")
+                       else pytest.mark.slow) for kind in KINDS for path in PATHS]
+
+
+@pytest.mark.parametrize("kind,path", MATRIX)
+def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(tmp_path, kind, path):
+  straight_weights, straight_buffers = _straight(kind)
+  base = _build(kind)
+  first = _private(base)
+  _fit(first, FIRST)
+  saved = _buffers(first)
+  assert saved and all(np.any(v != 0) for k, v in saved.items() if k.startswith("bandmf_w"))
+  checkpoint = _save(first, base, path, tmp_path)
+  loaded = _load(path, kind, tmp_path, checkpoint)
+  ledger = ledger_lib.ledger_of(loaded)
+  ledger.sync()
+  assert ledger.steps == FIRST and ledger.noise_bands == BANDS
+  assert loaded.privacy_report().epsilon == pytest.approx(_oracle_epsilon(FIRST), rel=1e-9)
+  plan = _plan()
+  if path == "base_keras_file":
+    # The ledger comes back (this machine's lineage record) but the base model's file holds
+    # no optimizer: the banded stream cannot continue; refused before any step.
+    before = loaded.get_weights()
+    with pytest.raises(ledger_lib.LedgerMismatchError, match="do not continue"):
+      _fit(loaded, STEPS - FIRST, plan)
+    assert ledger.steps == FIRST
+    _assert_same(before, loaded.get_weights())
+    return
+  _fit(loaded, STEPS - FIRST, plan)
+  assert ledger.steps == STEPS
+  _assert_same(loaded.get_weights(), straight_weights)  # the same stream, step for step
+  _assert_same_buffers(_buffers(loaded), straight_buffers)
+  np.testing.assert_array_equal(_buffers(loaded)["bandmf_position"],
+                                [ledger.lineage, ledger.noise_generation, STEPS])
+  report = plan.report(loaded)
+  assert report.epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
+  assert any("BandMF" in note for note in report.notes)
+
+
+# --- the partition: one secret seed per run --------------------------------------------------
+@pytest.mark.slow
+def test_a_new_sampler_seed_cannot_continue_the_partition(tmp_path):
+  """Before the fix a reloaded model continued with a new seed (make_private's own plan of a
+  loaded model draws one; the seed is never saved): a new partition, so an example could run
+  in consecutive steps, outside the b-banded sensitivity, while the report claimed Thm. 4."""
+  x, y = _data()
+  first_plan = _plan()
+  model = _private(_build("functional"), first_plan)
+  _fit(model, FIRST, first_plan)
+  model.save(str(tmp_path / "m.keras"))
+  fresh_plan = _plan(seed=SAMPLER_SEED + 1)
+  # The oracle: an example of the last step can be drawn again at the next step (b = 2).
+  last = set(first_plan.sampler.indices(FIRST - 1).tolist())
+  assert last & set(fresh_plan.sampler.part(FIRST % BANDS).tolist())
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  before = loaded.get_weights()
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="new secret partition"):
+    _fit(loaded, 1, fresh_plan)
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="seed=<the first run's plan.seed>"):
+    loaded.fit(x, y, verbose=0)  # the one-call fit of a loaded model: its plan's new seed
+  assert ledger_lib.ledger_of(loaded).steps == FIRST
+  _assert_same(before, loaded.get_weights())
+  _fit(loaded, STEPS - FIRST, first_plan)  # the first run's seed continues
+  assert ledger_lib.ledger_of(loaded).steps == STEPS
+
+
+# --- rollbacks ------------------------------------------------------------------------------
+def _rolled_back(path, tmp_path):
+  """A model trained FIRST steps, saved, trained 2 more, then restored to the save."""
+  model = _private(_build("functional"))
+  _fit(model, FIRST)
+  if path == "weights_file":
+    model.save_weights(str(tmp_path / "early.weights.h5"))
+  elif path == "keras_file":
+    model.save(str(tmp_path / "early.keras"))
+  else:
+    checkpoint = tf.train.Checkpoint(model=model)
+    saved = checkpoint.save(str(tmp_path / "ckpt"))
+  _fit(model, 2)
+  if path == "weights_file":
+    model.load_weights(str(tmp_path / "early.weights.h5"))
+  elif path == "keras_file":
+    model = keras.models.load_model(str(tmp_path / "early.keras"))
+  else:
+    checkpoint.restore(saved)
+  return model
+
+
+@pytest.mark.parametrize("path", [
+    "weights_file", pytest.param("keras_file", marks=pytest.mark.slow),
+    pytest.param("tf_checkpoint", marks=pytest.mark.slow)])
+def test_a_rollback_is_refused_and_the_report_counts_every_executed_step(tmp_path, path):
+  model = _rolled_back(path, tmp_path)
+  ledger = ledger_lib.ledger_of(model)
+  ledger.sync()  # what the guard does before a step (tf.train.Checkpoint is Keras-free)
+  assert ledger.steps == FIRST + 2 and ledger.noise_generation == 1
+  before = model.get_weights()
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="do not continue"):
+    _fit(model, 1)
+  assert ledger.steps == FIRST + 2
+  _assert_same(before, model.get_weights())
+  report = _plan().report(model)
+  assert report.steps == FIRST + 2
+  assert report.epsilon == pytest.approx(_oracle_epsilon(FIRST + 2), rel=1e-9)
+  assert any("rolled back 1 time" in note for note in report.notes), report.notes
+
+
+@pytest.mark.slow
+def test_a_fresh_process_sees_the_rollback_through_the_lineage_record(tmp_path):
+  model = _private(_build("functional"))
+  _fit(model, FIRST)
+  model.save_weights(str(tmp_path / "early.weights.h5"))
+  _fit(model, 2)
+  ledger_lib._PROCESS_REACHED.clear()  # what a new process knows: only the files
+  other = _private(_build("functional"))
+  other.load_weights(str(tmp_path / "early.weights.h5"))
+  assert other.privacy_ledger.steps == FIRST + 2
+  assert other.privacy_ledger.noise_generation == 1
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="do not continue"):
+    _fit(other, 1)
+
+
+# --- BackupAndRestore -----------------------------------------------------------------------
+class _InterruptAt(keras.callbacks.Callback):
+  def __init__(self, steps):
+    super().__init__()
+    self.steps = steps
+
+  def on_train_batch_end(self, batch, logs=None):
+    if ledger_lib.ledger_of(self.model).steps == self.steps:
+      raise RuntimeError("preempted")
+
+
+def _fit_with_backup(model, backup, *extra):
+  x, y = _data()
+  model.fit(_plan().dataset(x, y, model=model), steps_per_epoch=FIRST, epochs=2, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), *extra])
+
+
+@pytest.mark.slow
+def test_backup_and_restore_at_the_backup_continues_the_same_stream(tmp_path):
+  """Preempted right after the epoch's backup: a new process restores step FIRST exactly
+  (no rollback) and continues the uninterrupted run's stream."""
+  straight_weights, straight_buffers = _straight("functional")
+  backup = str(tmp_path / "backup")
+  model = _private(_build("functional"))
+  with pytest.raises(RuntimeError, match="preempted"):
+    _fit_with_backup(model, backup, _InterruptAt(FIRST))
+  ledger_lib._PROCESS_REACHED.clear()  # a new process
+  fresh = _private(_build("functional"))
+  _fit_with_backup(fresh, backup)
+  ledger = ledger_lib.ledger_of(fresh)
+  assert ledger.steps == STEPS and ledger.noise_generation == 0
+  _assert_same(fresh.get_weights(), straight_weights)
+  _assert_same_buffers(_buffers(fresh), straight_buffers)
+  assert _plan().report(fresh).epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
+
+
+def test_backup_and_restore_after_more_steps_is_a_rollback_and_refused(tmp_path):
+  backup = str(tmp_path / "backup")
+  model = _private(_build("functional"))
+  with pytest.raises(RuntimeError, match="preempted"):
+    _fit_with_backup(model, backup, _InterruptAt(FIRST + 1))  # the backup holds step FIRST
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="do not continue"):
+    _fit_with_backup(model, backup)
+  ledger = ledger_lib.ledger_of(model)
+  assert ledger.steps == FIRST + 1 and ledger.noise_generation == 1
+  report = _plan().report(model)
+  assert report.epsilon == pytest.approx(_oracle_epsilon(FIRST + 1), rel=1e-9)
+  assert any("rolled back" in note for note in report.notes)
+
+
+# --- warm starts ----------------------------------------------------------------------------
+def test_a_plain_warm_start_before_the_first_step_starts_the_stream_fresh(tmp_path):
+  plain = _build("functional")
+  plain.save_weights(str(tmp_path / "plain.weights.h5"))
+  model = _private(_build("functional"))
+  model.load_weights(str(tmp_path / "plain.weights.h5"))
+  _fit(model, FIRST)
+  report = model.privacy_report()
+  assert report.steps == FIRST
+  assert report.epsilon == pytest.approx(_oracle_epsilon(FIRST), rel=1e-9)
+  assert any("plain.weights.h5" in item and "Warm start" in item
+             for item in report.not_covered), report.not_covered
+
+
+@pytest.mark.slow
+def test_a_plain_warm_start_mid_run_keeps_the_stream(tmp_path):
+  """Weights loaded by hand mid-run (a file without a ledger) change the weights, not the
+  noise: the buffers, the ledger and the stream go on; the report names the file."""
+  plain = _build("functional")
+  plain.save_weights(str(tmp_path / "plain.weights.h5"))
+  model = _private(_build("functional"))
+  _fit(model, FIRST)
+  buffers = _buffers(model)
+  model.load_weights(str(tmp_path / "plain.weights.h5"))
+  _assert_same_buffers(_buffers(model), buffers)
+  _fit(model, STEPS - FIRST)
+  report = model.privacy_report()
+  assert report.steps == STEPS
+  assert report.epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
+  assert any("plain.weights.h5" in item for item in report.not_covered)
+
+
+# --- independent and correlated noise do not mix --------------------------------------------
+def _explicit(band_coefficients):
+  """The explicit path: no owned plan, the optimizer's noise is the user's."""
+  model = tf_dpnsgd.make_private(_build("functional"))
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=SIGMA,
+                                          band_coefficients=band_coefficients), loss=LOSS)
+  return model
+
+
+def test_independent_noise_cannot_continue_a_correlated_model():
+  """Before the fix the step ran (ledger noise_bands -> -1) and only the report refused."""
+  coefficients = list(cn.bandmf(STEPS, BANDS))
+  model = _explicit(coefficients)
+  _fit(model, FIRST)
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=SIGMA), loss=LOSS)
+  before = model.get_weights()
+  with pytest.raises(ledger_lib.LedgerMismatchError,
+                     match=r"2-banded noise \(BandMF\), but the optimizer adds independent"):
+    _fit(model, 1)
+  assert model.privacy_ledger.steps == FIRST and model.privacy_ledger.noise_bands == BANDS
+  _assert_same(before, model.get_weights())
+  assert _plan().report(model).epsilon == pytest.approx(_oracle_epsilon(FIRST), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_correlated_noise_cannot_continue_an_independent_model():
+  model = _explicit(None)
+  independent = _plan(bands=1)  # cyclic Poisson with b = 1: Poisson within one part
+  _fit(model, FIRST, independent)
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                          noise_multiplier=SIGMA,
+                                          band_coefficients=list(cn.bandmf(STEPS, BANDS))),
+                loss=LOSS)
+  with pytest.raises(ledger_lib.LedgerMismatchError,
+                     match=r"independent noise \(b = 1\), but the optimizer adds 2-banded"):
+    _fit(model, 1, independent)
+  with pytest.raises(ledger_lib.LedgerMismatchError):
+    _fit(model, 1)  # the b = 2 plan's batches: another sampler, and the same refusal
+  assert model.privacy_ledger.steps == FIRST
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="another sampler"):
+    _plan().report(model)  # a b = 2 report of the b = 1 sampler's independent steps
+  assert independent.report(model).epsilon == pytest.approx(_oracle_epsilon(FIRST, 1), rel=1e-9)
