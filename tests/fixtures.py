@@ -264,3 +264,65 @@ def one_noiseless_step(make, x, y, **private_kwargs):
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.train_on_batch(x, y)
   return [v.numpy() for v in model.trainable_variables]
+
+
+# --- tiny models of every Keras kind (the save-path matrices) -------------------------------
+MODEL_KINDS = ("sequential", "functional", "nested", "subclassed")
+
+
+@keras.saving.register_keras_serializable(package="tf_dpnsgd_test_fixtures")
+class TinySubclassed(keras.Model):
+  """A subclassed 5 -> 4 (tanh) -> 3 model."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(4, activation="tanh")
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+
+def tiny_model(kind, seed=None):
+  """A 5 -> 4 -> 3 model of ``kind`` (one of :data:`MODEL_KINDS`), built; ``seed``: the same
+  initial weights on every call."""
+  if seed is not None:
+    keras.utils.set_random_seed(seed)
+  if kind == "sequential":
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.Dense(3)])
+  if kind == "functional":
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
+  if kind == "nested":
+    inner_in = keras.Input((5,))
+    inner = keras.Model(inner_in, keras.layers.Dense(4, activation="tanh")(inner_in),
+                        name="inner")
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(3)(inner(inputs)))
+  model = TinySubclassed()
+  model(np.zeros((1, 5), np.float32))  # built: load_weights needs variables to load into
+  return model
+
+
+def tiny_data(n):
+  """``n`` rows of 5 normal features and 3-class labels (fixed seed)."""
+  rng = np.random.default_rng(0)
+  return rng.normal(size=(n, 5)).astype(np.float32), rng.integers(0, 3, n)
+
+
+def applied_noise_prefix_sums(n, dim, seed, momentum=0.0, lineage=7, **noise):
+  """Parameters of DP-SGD (lr 1) on zero gradients, sigma = 1, S = 1, D = 1, with the
+  correlated ``noise`` (``band_coefficients=`` or ``blt_parameters=``): minus the prefix sums
+  of the applied noise (the momentum workload for momentum > 0), ``[n, dim]``."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import tf_dpnsgd  # pylint: disable=import-outside-toplevel
+  opt = tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed,
+                        momentum=momentum, **noise)
+  v = keras.Variable(np.zeros(dim, np.float32))
+  out = []
+  for t in range(n):
+    opt.apply_private_gradients([tf.zeros(dim)], 1.0, [v],
+                                step=tf.constant([lineage, 0, t], tf.int64))
+    out.append(-v.numpy())
+  return np.stack(out)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.correlated import blt as bl
@@ -69,17 +70,8 @@ def test_total_error_and_loss_match_the_dense_formula(momentum):
 
 
 def _applied_noise_prefix_sums(blt_parameters, n, dim, seed, momentum=0.0):
-  """Parameters of SGD (lr 1) on zero gradients, sigma = 1, S = 1, D = 1: minus the prefix
-  sums (the momentum workload for momentum > 0) of the applied noise, ``[n, dim]``."""
-  opt = tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed,
-                        momentum=momentum, blt_parameters=blt_parameters)
-  v = keras.Variable(np.zeros(dim, np.float32))
-  out = []
-  for t in range(n):
-    opt.apply_private_gradients([tf.zeros(dim)], 1.0, [v],
-                                step=tf.constant([LINEAGE, 0, t], tf.int64))
-    out.append(-v.numpy())
-  return np.stack(out)
+  return fixtures.applied_noise_prefix_sums(n, dim, seed, momentum, lineage=LINEAGE,
+                                            blt_parameters=blt_parameters)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd.correlated import noise as cn
 from tf_dpnsgd.correlated import strategy as st
@@ -13,17 +14,8 @@ LINEAGE = 7
 
 
 def _applied_noise_prefix_sums(band_coefficients, n, dim, seed, momentum=0.0):
-  """Parameters of SGD (lr 1) on zero gradients, sigma = 1, S = 1, D = 1: minus the prefix
-  sums of the applied noise (the momentum workload for momentum > 0), ``[n, dim]``."""
-  opt = tf_dpnsgd.DPSGD(learning_rate=1.0, l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed,
-                        momentum=momentum, band_coefficients=band_coefficients)
-  v = keras.Variable(np.zeros(dim, np.float32))
-  out = []
-  for t in range(n):
-    opt.apply_private_gradients([tf.zeros(dim)], 1.0, [v],
-                                step=tf.constant([LINEAGE, 0, t], tf.int64))
-    out.append(-v.numpy())
-  return np.stack(out)
+  return fixtures.applied_noise_prefix_sums(n, dim, seed, momentum, lineage=LINEAGE,
+                                            band_coefficients=band_coefficients)
 
 
 def test_banded_step_is_the_inverse_of_c():

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
@@ -35,38 +36,15 @@ KINDS = ("sequential", "functional", "nested", "subclassed")
 PATHS = ("keras_file", "weights_file", "tf_checkpoint", "base_keras_file")
 
 
-@keras.saving.register_keras_serializable(package="tf_dpnsgd_tests")
-class TinySubclassed(keras.Model):
-  def __init__(self, **kwargs):
-    super().__init__(**kwargs)
-    self.hidden = keras.layers.Dense(4, activation="tanh")
-    self.out = keras.layers.Dense(3)
-
-  def call(self, x):
-    return self.out(self.hidden(x))
+TinySubclassed = fixtures.TinySubclassed
 
 
 def _build(kind):
-  if kind == "sequential":
-    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
-                             keras.layers.Dense(3)])
-  if kind == "functional":
-    inputs = keras.Input((5,))
-    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
-  if kind == "nested":
-    inner_in = keras.Input((5,))
-    inner = keras.Model(inner_in, keras.layers.Dense(4, activation="tanh")(inner_in),
-                        name="inner")
-    inputs = keras.Input((5,))
-    return keras.Model(inputs, keras.layers.Dense(3)(inner(inputs)))
-  model = TinySubclassed()
-  model(np.zeros((1, 5), np.float32))  # built: load_weights needs variables to load into
-  return model
+  return fixtures.tiny_model(kind)
 
 
 def _data():
-  rng = np.random.default_rng(0)
-  return rng.normal(size=(N, 5)).astype(np.float32), rng.integers(0, 3, N)
+  return fixtures.tiny_data(N)
 
 
 def _private(base):
