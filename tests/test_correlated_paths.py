@@ -298,6 +298,7 @@ def test_backup_and_restore_at_the_backup_continues_the_same_stream(tmp_path):
   assert _plan().report(fresh).epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_backup_and_restore_after_more_steps_is_a_rollback_and_refused(tmp_path):
   backup = str(tmp_path / "backup")
   model = _private(_build("functional"))
