@@ -235,6 +235,29 @@ def check_no_optimizer_state(export_dir, optimizer=None):
         "tf_dpnsgd.export.export_*_classifier, not model.save().")
 
 
+def serving_accuracy(export_dir, inputs, labels, *, input_name, signature=SIGNATURE,
+                     dtype=None, batch_size=250) -> float:
+  """Accuracy of an export's ``class_ids`` on raw ``inputs`` (images or sentences), in batches.
+
+  Args:
+    export_dir: the SavedModel.
+    inputs: an array of raw images or a list of sentences.
+    labels: the true classes.
+    input_name: the signature's argument (``"images"``, ``"sentences"``).
+    signature: which signature to call (e.g. ``"serving_uint8"``).
+    dtype: the input tensors' dtype (``None``: inferred).
+    batch_size: rows per call.
+  """
+  serve = load_serving_fn(export_dir, signature)
+  labels = np.asarray(labels)
+  correct = 0
+  for i in range(0, len(labels), batch_size):
+    batch = tf.constant(inputs[i:i + batch_size], dtype)
+    ids = np.asarray(serve(**{input_name: batch})["class_ids"]).reshape(-1)
+    correct += int(np.sum(ids == labels[i:i + batch_size]))
+  return correct / len(labels)
+
+
 def load_serving_fn(export_dir, signature=SIGNATURE):
   """Loads a SavedModel signature, importing tensorflow-text first if installed.
 
@@ -317,4 +340,4 @@ def write_privacy_report(path, **fields):
 __all__ = ["check_no_optimizer_state", "check_no_rng_state", "classification_outputs",
            "export_image_classifier", "rng_state_variables",
            "export_text_classifier", "exported_variable_names", "load_serving_fn",
-           "package_versions", "write_privacy_report"]
+           "package_versions", "serving_accuracy", "write_privacy_report"]

@@ -194,12 +194,9 @@ def _feature_moments(f_train, head, FLAGS, model_dir):
 
 def check_export(export_dir, x_test, y_test, batch_size: int = 250) -> float:
   """Accuracy of the exported SavedModel on raw test images (uint8 signature)."""
-  serve = tf.saved_model.load(export_dir).signatures["serving_uint8"]
-  correct = 0
-  for i in range(0, len(y_test), batch_size):
-    ids = serve(images=tf.constant(x_test[i:i + batch_size], tf.uint8))["class_ids"].numpy()
-    correct += int(np.sum(ids == y_test[i:i + batch_size]))
-  return correct / len(y_test)
+  return export_lib.serving_accuracy(export_dir, x_test, y_test, input_name="images",
+                                     signature="serving_uint8", dtype=tf.uint8,
+                                     batch_size=batch_size)
 
 
 def main(argv):

@@ -91,19 +91,10 @@ def tokenize(preprocessor, sentences, batch=256):
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def exported_accuracy(export_dir, sentences, labels, batch=256) -> float:
-  """Accuracy of the exported SavedModel's ``serving_default`` on raw sentences."""
-  serve = tf.saved_model.load(export_dir).signatures[export_lib.SIGNATURE]
-  correct = 0
-  for i in range(0, len(sentences), batch):
-    out = serve(sentences=tf.constant(list(sentences[i:i + batch])))
-    correct += int(np.sum(np.asarray(out["class_ids"]).reshape(-1) == labels[i:i + batch]))
-  return correct / len(sentences)
-
-
 def check_export(record, model_dir, export_dir, sentences, labels):
   """Adds the export's dev accuracy on raw sentences to the record and its reports."""
-  accuracy = exported_accuracy(export_dir, sentences, np.asarray(labels))
+  accuracy = export_lib.serving_accuracy(export_dir, list(sentences), labels,
+                                         input_name="sentences", batch_size=256)
   record = dataclasses.replace(record, extra={**record.extra,
                                               "exported_dev_accuracy": accuracy})
   for folder in (model_dir, export_dir):

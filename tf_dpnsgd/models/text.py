@@ -189,7 +189,8 @@ def freeze_lower_layers(backbone, trainable_layers) -> list[str]:
 def freeze(layer) -> None:
   """Sets ``layer`` and every layer nested in it non-trainable (``layer.trainable = False``
   does not reach sublayers a layer made trainable later, e.g. ``enable_lora``'s)."""
-  for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  for sub in layer._flatten_layers(include_self=True, recursive=True):
     sub.trainable = False
 
 
@@ -346,6 +347,7 @@ def freeze_input_embeddings(backbone) -> list[str]:
   return [layer.name for layer in frozen]
 
 
-__all__ = ["ACCEPTED_HELP", "MaskedMeanPooling", "freeze", "freeze_lower_layers", "mean_pooled_classifier", "builtin_presets", "check_sequence_length",
+__all__ = ["ACCEPTED_HELP", "MaskedMeanPooling", "builtin_presets", "check_sequence_length",
+           "freeze", "freeze_lower_layers", "mean_pooled_classifier",
            "freeze_input_embeddings", "resolve_preset", "text_classifier",
            "validate_local_preset"]

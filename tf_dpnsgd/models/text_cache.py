@@ -55,7 +55,6 @@ def split_classifier(backbone, trainable_layers, num_classes=2, dropout=0.1):
       or not 1 <= trainable_layers <= len(layers):
     raise ValueError(f"`trainable_layers` must be an integer in [1, {len(layers)}] to cache "
                      f"the layers below them; got {trainable_layers!r}.")
-  text.freeze_lower_layers(backbone, trainable_layers)
   cut = len(layers) - trainable_layers
   below = (backbone.get_layer(f"transformer_layer_{cut - 1}").output if cut else
            _embeddings_output(backbone))
@@ -65,7 +64,6 @@ def split_classifier(backbone, trainable_layers, num_classes=2, dropout=0.1):
   if lower.trainable_weights:
     raise ValueError("Trainable variables below the cut would be baked into the cache: "
                      f"{[v.path for v in lower.trainable_weights]}. Freeze them.")
-  lower.trainable = False
   hidden = keras.Input(shape=(None, below.shape[-1]), dtype="float16", name=HIDDEN_KEY)
   mask = keras.Input(shape=(None,), dtype="int32", name=MASK_KEY)
   x = keras.layers.Activation("linear", dtype="float32", name="cache_to_float32")(hidden)
