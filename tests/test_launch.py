@@ -433,9 +433,12 @@ def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(tm
   out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
                "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=1",
                "--sequence_length=16", "--pooling=mean", "--trainable_layers=1",
-               "--cache_frozen_layers", f"--model_dir={run}", f"--export_dir={tmp_path}/export")
+               "--cache_frozen_layers", f"--model_dir={run}", f"--export_dir={tmp_path}/export",
+               f"--feature_cache_dir={tmp_path}/cache")
   rep = report(run)
   assert rep["steps"] == 3 and rep["cache_frozen_layers"] is True and rep["pooling"] == "mean"
+  assert rep["feature_cache_hit"] is False
+  assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()] == ["text_lower"]
   assert rep["exported_dev_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
                                                        abs=1 / 3 + 1e-9), rep
   assert report(tmp_path / "export")["exported_dev_accuracy"] == rep["exported_dev_accuracy"]
@@ -449,6 +452,7 @@ def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(tm
     (["--cache_frozen_layers"], "--cache_frozen_layers needs --trainable_layers"),
     (["--cache_frozen_layers", "--trainable_layers=1"], "--pooling=mean"),
     (["--optimizer=adam", "--target_epsilon=2"], "trains without privacy"),
+    (["--feature_cache_dir=/tmp/unused"], "--feature_cache_dir keeps"),
 ])
 def test_sst2_cache_and_baseline_flags_refused_before_training(tmp_path, args, message):
   preset = _tiny_sst2(tmp_path)

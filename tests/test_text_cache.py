@@ -78,11 +78,14 @@ def test_bad_trainable_layers_are_refused(k):
   with pytest.raises(ValueError, match="trainable_layers"):
     text.freeze_lower_layers(_backbone(), k)
   with pytest.raises(ValueError, match="trainable_layers"):
-    text_cache.split_classifier(_backbone(), 0 if k is True else k)
+    text_cache.split_classifier(_backbone(), k)
 
 
-def test_cached_top_layers_equal_the_uncut_model_and_serve_on_tokens():
-  lower, upper, full = text_cache.split_classifier(_backbone(), 1, dropout=0.0)
+@pytest.mark.parametrize("k", [0, 1])
+def test_cached_top_layers_equal_the_uncut_model_and_serve_on_tokens(k):
+  """k = 1: the top layer trains on the cache; k = 0: the whole encoder is cached and only
+  the head trains (the linear probe of the heatmap study)."""
+  lower, upper, full = text_cache.split_classifier(_backbone(), k, dropout=0.0)
   x = _tokens(rows=40, length=12)
   cache = text_cache.cache_lower_outputs(lower, x, batch_size=7)  # batches cut to their longest
   assert cache["hidden"].dtype == np.float16
@@ -90,9 +93,9 @@ def test_cached_top_layers_equal_the_uncut_model_and_serve_on_tokens():
   assert np.all(cache["hidden"][x["padding_mask"] == 0] == 0)
   np.testing.assert_allclose(upper(cache, training=False).numpy(),
                              full(x, training=False).numpy(), atol=1e-5)
-  # Only the top layer and the head train; the lower model has no trainable variable.
-  assert {v.path.split("/")[0] for v in upper.trainable_variables} == {
-      f"transformer_layer_{LAYERS - 1}", "logits"}
+  # Only the top layer (if any) and the head train; the lower model has no trainable variable.
+  assert {v.path.split("/")[0] for v in upper.trainable_variables} == (
+      {f"transformer_layer_{LAYERS - 1}", "logits"} if k else {"logits"})
   assert not lower.trainable_weights
 
 
@@ -103,6 +106,33 @@ def test_cache_does_not_move_when_the_top_layers_train():
   for v in upper.trainable_variables:
     v.assign(v + 1.0)
   np.testing.assert_array_equal(text_cache.cache_lower_outputs(lower, x)["hidden"], before)
+
+
+def test_disk_cache_reuses_an_entry_only_for_the_same_tokens_and_frozen_weights(tmp_path):
+  lower, _, _ = text_cache.split_classifier(_backbone(), 1, dropout=0.0)
+  splits = {"train": _tokens(rows=8, seed=1), "dev": _tokens(rows=3, seed=2)}
+  first, hit = text_cache.cache_lower_outputs_on_disk(lower, splits, tmp_path)
+  assert not hit
+  again, hit = text_cache.cache_lower_outputs_on_disk(lower, splits, tmp_path)
+  assert hit
+  for name in splits:
+    direct = text_cache.cache_lower_outputs(lower, splits[name])
+    for key in direct:
+      np.testing.assert_array_equal(first[name][key], direct[key])
+      np.testing.assert_array_equal(again[name][key], direct[key])
+  # One other token, or one other frozen weight: a new entry, never the stale one.
+  changed = {n: {k: v.copy() for k, v in t.items()} for n, t in splits.items()}
+  changed["train"]["token_ids"][0, 0] += 1
+  assert not text_cache.cache_lower_outputs_on_disk(lower, changed, tmp_path)[1]
+  lower.weights[0].assign(lower.weights[0] + 1.0)
+  moved, hit = text_cache.cache_lower_outputs_on_disk(lower, splits, tmp_path)
+  assert not hit and not np.array_equal(moved["train"]["hidden"], first["train"]["hidden"])
+  assert len(list(tmp_path.iterdir())) == 3
+  # A model with a trainable weight is never cached.
+  lower.layers[-1].trainable = True
+  assert lower.trainable_weights
+  with pytest.raises(ValueError, match="frozen"):
+    text_cache.cache_lower_outputs_on_disk(lower, splits, tmp_path)
 
 
 def test_lora_below_the_cut_is_frozen_and_only_the_top_factors_train():
@@ -116,8 +146,8 @@ def test_lora_below_the_cut_is_frozen_and_only_the_top_factors_train():
   assert not any(p.endswith("query/kernel") for p in paths)  # the pretrained kernel: frozen
 
 
-@pytest.mark.parametrize("lora_rank", [0, 2])
-def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(lora_rank):
+@pytest.mark.parametrize("lora_rank,k", [(0, 1), (2, 1), (0, 0)])
+def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(lora_rank, k):
   """One DP-NSGD step (noise 0, r 0.1, lr 1) on cached rows: sum_i g_i/(r+|g_i|) / B, with
   g_i each sentence's gradient through tokens -> frozen lower -> top layer (the oracle)."""
   backbone = _backbone(lora_rank)
@@ -125,7 +155,7 @@ def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_mod
     for v in backbone.weights:
       if "lora_kernel_b" in v.path:
         v.assign(np.random.default_rng(5).normal(size=v.shape) * 0.1)
-  lower, upper, full = text_cache.split_classifier(backbone, 1, dropout=0.0)
+  lower, upper, full = text_cache.split_classifier(backbone, k, dropout=0.0)
   x = _tokens(rows=6, length=12, seed=3)
   y = np.array([0, 1, 1, 0, 1, 0], np.int32)
   cache = text_cache.cache_lower_outputs(lower, x)

@@ -62,7 +62,13 @@ flags.DEFINE_bool("cache_frozen_layers", False,
                   "With --trainable_layers: compute the frozen lower layers once per sentence "
                   "(inference mode, float16) and train the top layers on that cache "
                   "(tf_dpnsgd.models.text_cache); needs --pooling=mean. With --lora_rank, "
-                  "the LoRA factors of the top k layers train.")
+                  "the LoRA factors of the top k layers train. --trainable_layers=0 caches the "
+                  "whole encoder and trains the head alone (a linear probe).")
+flags.DEFINE_string("feature_cache_dir", None,
+                    "With --cache_frozen_layers: keep the frozen layers' outputs in this folder, "
+                    "keyed by a checksum of the token ids and the frozen weights, for later runs "
+                    "(sweeps). It holds values computed from the training sentences: keep it as "
+                    "private as the data.")
 canary_audit.define_flags()
 
 
@@ -113,6 +119,9 @@ def main(argv):
   if cache and (FLAGS.trainable_layers is None or FLAGS.pooling != "mean"):
     raise common.LaunchError("--cache_frozen_layers needs --trainable_layers=k (the layers above "
                              "the cache) and --pooling=mean.")
+  if FLAGS.feature_cache_dir and not cache:
+    raise common.LaunchError("--feature_cache_dir keeps the frozen layers' outputs of "
+                             "--cache_frozen_layers; add that flag or drop this one.")
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
       freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank,
@@ -127,14 +136,15 @@ def main(argv):
   if cache:
     lower, classifier, served = text_cache.split_classifier(
         classifier.backbone, FLAGS.trainable_layers, num_classes=2)
-    x_train = text_cache.cache_lower_outputs(lower, x_train)
-    x_dev = text_cache.cache_lower_outputs(lower, x_dev)
+    cached_splits, cache_hit = text_cache.cache_lower_outputs_on_disk(
+        lower, {"train": x_train, "dev": x_dev}, FLAGS.feature_cache_dir)
+    x_train, x_dev = cached_splits["train"], cached_splits["dev"]
     cached = [layer.name for layer in lower.layers if layer.weights]
     not_covered = (f"Frozen lower layers {cached} of preset {FLAGS.preset!r}, run once per "
                    "sentence without dropout (--cache_frozen_layers; their float16 outputs are "
                    "the training rows): public weights, not covered by the epsilon.",)
   else:
-    not_covered = ()
+    not_covered, cache_hit = (), False
   logging.info("Tokenized%s %d + %d sentences in %.0f s.", " and cached" if cache else "",
                len(train_s), len(dev_s), time.time() - started)
 
@@ -156,7 +166,8 @@ def main(argv):
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings, "lora_rank": FLAGS.lora_rank,
                     "sequence_length": FLAGS.sequence_length, "pooling": FLAGS.pooling,
-                    "trainable_layers": FLAGS.trainable_layers, "cache_frozen_layers": cache})
+                    "trainable_layers": FLAGS.trainable_layers, "cache_frozen_layers": cache,
+                    "feature_cache_hit": cache_hit})
   if FLAGS.export_dir:  # the served model on raw sentences, beside the Keras model's number
     record = check_export(record, FLAGS.model_dir, FLAGS.export_dir, dev_s, dev_y)
   print(f"dev accuracy {record.metric('accuracy', float('nan')):.4f}; "

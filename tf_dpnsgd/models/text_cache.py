@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from tf_dpnsgd.data import cache as cache_lib
 from tf_dpnsgd.models import text
 
 HIDDEN_KEY = "hidden"
@@ -36,7 +37,8 @@ def split_classifier(backbone, trainable_layers, num_classes=2, dropout=0.1):
   Args:
     backbone: a keras-hub backbone with ``transformer_layers`` (BERT, RoBERTa),
       carrying its pretrained weights.
-    trainable_layers: how many top layers train (>= 1).
+    trainable_layers: how many top layers train; ``0`` caches the whole encoder
+      and trains only the head on its mean-pooled output (a linear probe).
     num_classes: logits of the new head.
     dropout: dropout before the head.
 
@@ -52,8 +54,8 @@ def split_classifier(backbone, trainable_layers, num_classes=2, dropout=0.1):
   """
   layers = list(getattr(backbone, "transformer_layers", None) or ())
   if isinstance(trainable_layers, bool) or not isinstance(trainable_layers, int) \
-      or not 1 <= trainable_layers <= len(layers):
-    raise ValueError(f"`trainable_layers` must be an integer in [1, {len(layers)}] to cache "
+      or not 0 <= trainable_layers <= len(layers):
+    raise ValueError(f"`trainable_layers` must be an integer in [0, {len(layers)}] to cache "
                      f"the layers below them; got {trainable_layers!r}.")
   cut = len(layers) - trainable_layers
   below = (backbone.get_layer(f"transformer_layer_{cut - 1}").output if cut else
@@ -124,4 +126,49 @@ def cache_lower_outputs(lower, tokens, batch_size=512):
   return {HIDDEN_KEY: out, MASK_KEY: mask.astype(np.int32)}
 
 
-__all__ = ["HIDDEN_KEY", "MASK_KEY", "cache_lower_outputs", "split_classifier"]
+def cache_lower_outputs_on_disk(lower, splits, cache_dir, batch_size=512):
+  """:func:`cache_lower_outputs` of every split, kept in ``cache_dir`` for later runs.
+
+  The entry's key is a SHA-256 of every split's token arrays and of the frozen
+  ``lower`` model's weights (names, dtypes, shapes and bytes), so other
+  sentences, another tokenization or another preset (or cut) give another entry,
+  never a stale one. The entry holds outputs computed from the training
+  sentences: keep ``cache_dir`` as private as the data.
+
+  Args:
+    lower: the frozen lower model of :func:`split_classifier` (no trainable weight).
+    splits: ``{name: token dict}``, e.g. ``{"train": ..., "dev": ...}``.
+    cache_dir: the cache folder; ``None``: compute, keep nothing.
+    batch_size: rows per forward pass.
+
+  Returns:
+    ``({name: {"hidden", "padding_mask"}}, hit)``.
+
+  Raises:
+    ValueError: ``lower`` has a trainable weight (its outputs would go stale).
+  """
+  if lower.trainable_weights:
+    raise ValueError("Only a frozen model's outputs can be cached; trainable: "
+                     f"{[v.path for v in lower.trainable_weights]}.")
+  names = sorted(splits)
+  arrays = [np.asarray(splits[n][k]) for n in names for k in sorted(splits[n])]
+  weights = [np.asarray(w) for w in lower.weights]
+  key = cache_lib.digest(*arrays, settings={
+      "format": 1, "splits": {n: sorted(splits[n]) for n in names},
+      "weights": cache_lib.digest(*weights, settings=[w.path for w in lower.weights])})
+
+  def compute():
+    out = []
+    for n in names:
+      c = cache_lower_outputs(lower, splits[n], batch_size=batch_size)
+      out += [c[HIDDEN_KEY], c[MASK_KEY]]
+    return out
+
+  files = [f"{n}_{k}" for n in names for k in (HIDDEN_KEY, MASK_KEY)]
+  values, hit = cache_lib.cached(cache_dir, "text_lower", key, files, compute)
+  return {n: {HIDDEN_KEY: values[2 * i], MASK_KEY: values[2 * i + 1]}
+          for i, n in enumerate(names)}, hit
+
+
+__all__ = ["HIDDEN_KEY", "MASK_KEY", "cache_lower_outputs", "cache_lower_outputs_on_disk",
+           "split_classifier"]
