@@ -168,7 +168,7 @@ def zero_dropped_units(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
   keep = tf.reshape(tf.cast(keep, tf.bool), [-1] + [1] * (len(t.shape) - 1))
 
   def zeroed():
-    return tf.where(keep, t, tf.zeros_like(t))
+    return tf.where(keep, t, tf.zeros([], t.dtype))  # broadcast: no batch-sized constant
 
   return tf.cond(tf.reduce_all(keep), lambda: tf.identity(t), zeroed)
 
