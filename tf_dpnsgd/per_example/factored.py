@@ -168,7 +168,7 @@ def zero_dropped_units(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
   keep = tf.reshape(tf.cast(keep, tf.bool), [-1] + [1] * (len(t.shape) - 1))
 
   def zeroed():
-    return tf.where(keep, t, tf.zeros_like(t))
+    return tf.where(keep, t, tf.zeros([], t.dtype))  # broadcast: no batch-sized constant
 
   return tf.cond(tf.reduce_all(keep), lambda: tf.identity(t), zeroed)
 
@@ -238,8 +238,8 @@ def sum_of_squares(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
   Edge cases: rows whose float32 sum is below ``2^-60`` (e.g. exactly 0) or
   not finite (a float32 overflow of a finite row, ``|g| > 1.8e19``, or
-  NaN/inf in ``g``) are summed in float64 (only those rows, skipped by a
-  ``tf.cond`` when there are none): a zero row gives exactly 0, a row beyond
+  NaN/inf in ``g``) are summed in float64 (only those rows, gathered; none
+  gathered when there are none): a zero row gives exactly 0, a row beyond
   float32 its float64 value, NaN/inf stay non-finite (the transform drops the
   unit).
 
@@ -268,11 +268,11 @@ def sum_of_squares(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
                                       tf.math.is_finite(value)))  # small, inf or NaN
   relative = 2.0 * (k + 2) * EPS32 * (1.0 + 4.0 * (k + 2) * EPS32) + size * 2.0 ** -66
 
-  def redone():
-    rows = tf.where(redo)
-    return tf.tensor_scatter_nd_update(value, rows, in_float64(tf.gather_nd(flat, rows)))
-
-  value = tf.cond(tf.reduce_any(redo), redone, lambda: tf.identity(value))
+  # Only the redone rows are gathered (none, usually: an empty gather and update cost
+  # nothing); no tf.cond: its two branch functions per call (per conv chunk, per bias) were
+  # hundreds of functions in a ResNet's step, each instantiated and optimised on its own.
+  rows = tf.where(redo)
+  value = tf.tensor_scatter_nd_update(value, rows, in_float64(tf.gather_nd(flat, rows)))
   error = (tf.where(redo, tf.zeros_like(value), relative) + gamma(size)) * value
   return value, error
 

@@ -170,7 +170,7 @@ ONEDNN_ADVICE = ("Use per_example='layerwise' (or 'microbatch'), or set TF_ENABL
 _BATCH_MATMUL_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
 
-def onednn_enabled() -> bool:
+def onednn_enabled(strict: bool = False) -> bool:
   """Whether TensorFlow uses its oneDNN (MKL) CPU kernels in this process.
 
   TensorFlow decides once, at start-up: on x86 Linux oneDNN is on when the CPU
@@ -180,11 +180,17 @@ def onednn_enabled() -> bool:
   variable and assumes on for x86-64 Linux (the conservative answer: it only
   makes the vectorized engine refuse more).
 
+  Args:
+    strict: answer only from TensorFlow itself; False where it cannot be asked
+      (for a caller that needs oneDNN's kernels, not one guarding against them).
+
   Returns:
-    True if oneDNN kernels may run.
+    True if oneDNN kernels may run (``strict``: if they do).
   """
   if _pywrap_util_port is not None and hasattr(_pywrap_util_port, "IsMklEnabled"):
     return bool(_pywrap_util_port.IsMklEnabled())
+  if strict:
+    return False
   value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
   if value is not None:
     return value.strip().lower() not in ("0", "false")
