@@ -304,3 +304,12 @@ def test_a_replaced_sampler_seed_is_refused_by_the_ledger(tmp_path):
   with pytest.raises(ledger_lib.LedgerMismatchError, match="another seed than the steps"):
     _run(run, max_steps=6)
   assert json.loads((run / "privacy_report.json").read_text())["steps"] == 3
+
+
+def test_canary_audit_refuses_correlated_noise():
+  from tf_dpnsgd.launch import canary_audit
+  spec = canary_audit.AuditSpec(num_canaries=10)
+  cfg = parse("--noise=bandmf", "--bands=2", "--batch_size=16")
+  with pytest.raises(common.LaunchError, match="does not support --noise=bandmf"):
+    canary_audit._check_can_audit(cfg, spec, 1000, 16)
+  canary_audit._check_can_audit(parse("--batch_size=16"), spec, 1000, 16)  # independent: runs
