@@ -93,6 +93,11 @@ def spec_from_flags(flag_values: Optional[flags.FlagValues] = None) -> AuditSpec
 
 
 def _check_can_audit(cfg: common.ExperimentConfig, spec: AuditSpec, n: int, batch: int) -> None:
+  if cfg.noise != "independent":
+    raise common.LaunchError(
+        f"--audit_canaries audits independent noise under the run's sampling; it does not "
+        f"support --noise={cfg.noise} (cyclic Poisson parts and correlated noise). Audit "
+        "without --noise, or drop --audit_canaries.")
   if cfg.distribution_strategy == "multi_worker":
     raise common.LaunchError("--audit_canaries does not run under multi_worker (each worker "
                              "would draw its own coins); audit on one worker.")

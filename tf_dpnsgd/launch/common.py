@@ -24,10 +24,19 @@ Seeds. ``--seed`` fixes only what is public: initialisation and data order
 (the non-private shuffle, augmentation, dropout masks). The DP noise and the
 batch sampler always draw their seeds from the OS (a resumed run draws new
 ones), so two runs never release the same noise, and no seed is logged or
-written anywhere. A ``--sampling=shuffle`` run therefore resumes only at an
-epoch boundary (a new permutation mid-epoch would repeat examples within the
-epoch). Publish the ``export_dir`` SavedModel (which holds no optimizer or RNG
-state) and the privacy report.
+written anywhere, with one exception below. A ``--sampling=shuffle`` run therefore
+resumes only at an epoch boundary (a new permutation mid-epoch would repeat
+examples within the epoch). Publish the ``export_dir`` SavedModel (which holds no
+optimizer or RNG state) and the privacy report.
+
+Correlated noise (``--noise=bandmf --bands=b``: cyclic Poisson sampling, the
+optimizer's ``band_coefficients`` optimized for the plan's steps, ``b`` and
+``--momentum``; docs/correlated_noise.md) must keep one partition of the data for
+the whole run. Such a run writes its sampler seed, a secret, to
+``model_dir/sampler_seed.secret`` (owner-only) and a resume reads it back
+(:mod:`tf_dpnsgd.launch.resume`); the noise buffers resume from the checkpoint. The
+``model_dir`` of such a run is as private as the data. The noise seed is still
+drawn from the OS on resume (fresh ``z_t``; the buffers carry the correlation).
 
 Flag errors (both ``--noise_multiplier`` and ``--target_epsilon`` given,
 ``--optimizer=sgd`` with either, a regularizer <= 0, ...) are absl flag
@@ -62,7 +71,8 @@ from tf_dpnsgd.records import RunRecord
 
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd", "adam")
 NON_PRIVATE = ("sgd", "adam")  # the baselines: no noise, no plan, no epsilon
-SAMPLINGS = ("poisson", "uniform", "shuffle")
+SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisson: --noise=bandmf
+NOISES = ("independent", "bandmf", "blt")  # blt: refused (no accounting), listed for its message
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 _SGD_NOISE_MESSAGE = ("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
@@ -79,6 +89,77 @@ def _check_enums(d):
     raise ValueError(f"--optimizer must be one of {OPTIMIZERS}; got {d['optimizer']!r}.")
   if d["sampling"] not in SAMPLINGS:
     raise ValueError(f"--sampling must be one of {SAMPLINGS}; got {d['sampling']!r}.")
+
+
+def _check_noise(d):
+  """The noise mechanism (``--noise``, ``--bands``) against the flags it constrains.
+
+  ``--noise=bandmf --bands=b`` (b >= 2) is banded matrix-factorization noise, accounted under
+  cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm. 4; docs/correlated_noise.md).
+  ``b`` against the data (``b B <= N``, ``b <= steps``) is checked with the plan
+  (:func:`check_bands_fit`).
+  """
+  noise, bands, sampling = d.get("noise", "independent"), d.get("bands"), d["sampling"]
+  if noise == "blt":
+    raise ValueError(
+        "--noise=blt: BLT noise has no privacy accounting in tf_dpnsgd (its columns overlap at "
+        "every distance, so cyclic Poisson amplification does not apply) and a launcher "
+        "reports an epsilon. Use --noise=bandmf --bands=b, or BLT on the explicit path "
+        "(docs/correlated_noise.md) for experiments without an epsilon.")
+  if noise not in NOISES:
+    raise ValueError(f"--noise must be independent or bandmf; got {noise!r}.")
+  if noise == "independent":
+    if bands is not None:
+      raise ValueError(f"--bands={bands} needs --noise=bandmf (correlated noise); drop --bands "
+                       "for independent noise.")
+    if sampling == "cyclic_poisson":
+      raise ValueError("--sampling=cyclic_poisson goes with correlated noise: give "
+                       "--noise=bandmf --bands=b, or another --sampling.")
+    return
+  if bands is None or bands < 2:
+    raise ValueError(f"--noise=bandmf needs --bands=b with b >= 2 (the number of bands of the "
+                     f"noise; b=1 is independent noise: use --noise=independent); got "
+                     f"--bands={bands}.")
+  if sampling != "cyclic_poisson":
+    raise ValueError(f"--noise=bandmf is accounted under cyclic Poisson sampling (each example "
+                     f"at most once every b steps); got --sampling={sampling}. Drop --sampling "
+                     "(--noise=bandmf sets --sampling=cyclic_poisson).")
+  if d["optimizer"] in NON_PRIVATE:
+    raise ValueError(f"--noise=bandmf is DP noise; --optimizer={d['optimizer']} trains without "
+                     "privacy. Drop --noise/--bands, or choose a DP optimizer.")
+  adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
+  if adaptive:
+    raise ValueError(f"--noise=bandmf cannot use adaptive clipping (--{adaptive[0]}): its noise "
+                     "std changes every step, which the banded analysis does not cover. Use a "
+                     "fixed --l2_norm_clip, or --noise=independent.")
+  if d.get("distribution_strategy", "none") != "none":
+    raise ValueError("--noise=bandmf runs on one replica (correlated noise across tf.distribute "
+                     "replicas is not implemented): use --distribution_strategy=none, or "
+                     "--noise=independent.")
+
+
+def check_bands_fit(bands: int, batch_size: int, dataset_size: int,
+                    num_steps: Optional[int] = None) -> None:
+  """Raises ``ValueError`` unless ``b`` parts of ``N`` hold batches of ``B`` (``b B <= N``)
+  and the run has at least ``b`` steps (``num_steps``, when given)."""
+  if bands * batch_size > dataset_size:
+    raise ValueError(f"--bands={bands} with --batch_size={batch_size} needs b * B <= N "
+                     f"({bands * batch_size} > {dataset_size} examples): cyclic Poisson samples "
+                     "each step from one of b parts of N/b examples. Use fewer bands or a "
+                     "smaller batch.")
+  if num_steps is not None and bands > num_steps:
+    raise ValueError(f"--bands={bands} is more than the run's {num_steps} planned steps: use "
+                     f"--bands <= {num_steps}, or train longer.")
+
+
+def band_coefficients(cfg, num_steps: int):
+  """The optimizer's ``band_coefficients`` (``None``: independent noise): the ``b``-banded
+  strategy optimized for ``num_steps`` steps and the optimizer's momentum (``--momentum`` for
+  DP-SGD / DP-NSGD, 0 for DP-Adam / DP-NAdam, as ``make_private(noise="bandmf")`` does)."""
+  if cfg.noise != "bandmf":
+    return None
+  momentum = cfg.momentum if cfg.optimizer in ("dpsgd", "dpnsgd") else 0.0
+  return tf_dpnsgd.correlated.noise.bandmf(int(num_steps), int(cfg.bands), momentum=momentum)
 
 
 def _check_regularizer(d):
@@ -158,6 +239,8 @@ CHECKS = (
     (("epochs",), _check_epochs),
     (("batch_size", "physical_batch_size"), _check_batch_sizes),
     (("distribution_strategy", "tpu"), _check_strategy),
+    (("noise", "bands", "sampling", "optimizer", "distribution_strategy") + ADAPTIVE_FLAGS,
+     _check_noise),
 )
 
 
@@ -226,6 +309,8 @@ class ExperimentConfig:
   verbose: int = 2
   distribution_strategy: str = "none"
   tpu: Optional[str] = None
+  noise: str = "independent"  # or "bandmf" (with bands >= 2 and sampling="cyclic_poisson")
+  bands: Optional[int] = None
   releases: tuple = ()  # noise multipliers of pre-training releases (tf_dpnsgd.private_stats)
 
   def __post_init__(self):
@@ -298,7 +383,17 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   flags.DEFINE_integer("max_steps", d["max_steps"],
                        "Stop after this many steps; the report covers the steps taken.", **kw)
   flags.DEFINE_enum("sampling", d["sampling"], SAMPLINGS,
-                    "Batch sampling; the accounting follows it.", **kw)
+                    "Batch sampling; the accounting follows it. cyclic_poisson goes with "
+                    "--noise=bandmf (which sets it when --sampling is not given).", **kw)
+  flags.DEFINE_enum("noise", d["noise"], NOISES,
+                    "DP noise: independent (DP-SGD's fresh Gaussian each step) | bandmf (banded "
+                    "matrix-factorization noise, correlated across --bands steps, under cyclic "
+                    "Poisson sampling; docs/correlated_noise.md) | blt (refused: no accounting).",
+                    **kw)
+  flags.DEFINE_integer("bands", d["bands"],
+                       "--noise=bandmf: the number of bands b >= 2 (b * batch_size <= N, "
+                       "b <= steps); the strategy is optimized for the planned steps, b and "
+                       "--momentum. Only with --noise=bandmf.", **kw)
   flags.DEFINE_enum("accountant", d["accountant"], ("rdp", "pld"), "dp-accounting accountant.",
                     **kw)
   flags.DEFINE_enum("bound", d["bound"], ("default", "paper", "min"),
@@ -315,7 +410,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
                     **kw)
   flags.DEFINE_string("model_dir", d["model_dir"],
                       "Checkpoints, TensorBoard, history, report (keep private: the checkpoint "
-                      "holds the noise state).", **kw)
+                      "holds the noise state; a --noise=bandmf run also keeps its secret sampler "
+                      "seed here, owner-only, to resume the same partition: as private as the "
+                      "data).", **kw)
   flags.DEFINE_string("export_dir", d["export_dir"], "Write a serving SavedModel here.", **kw)
   flags.DEFINE_integer("seed", d["seed"],
                        "Seed of initialisation and data order only (non-private shuffle, "
@@ -369,9 +466,12 @@ def adapt_unset_flags(values: dict, set_by_user) -> dict:
   ``--batch_size`` the user gave (e.g. 64) becomes that batch size (one chunk
   per batch), instead of failing. A ``--physical_batch_size`` the user set
   (command line or flag file) is never changed: a wrong one stays an error.
-  Returns a new dict; ``values`` is not modified.
+  ``--noise=bandmf`` without ``--sampling`` samples cyclic-Poisson (an explicit other
+  ``--sampling`` stays an error). Returns a new dict; ``values`` is not modified.
   """
   out = dict(values)
+  if out.get("noise") == "bandmf" and "sampling" not in set_by_user:
+    out["sampling"] = "cyclic_poisson"  # the sampling BandMF is accounted under
   physical, batch = out.get("physical_batch_size"), out.get("batch_size")
   if ("physical_batch_size" not in set_by_user and physical is not None and batch is not None
       and batch >= 1 and physical > batch):
@@ -425,6 +525,9 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
     return keras.optimizers.Adam(**common)
   # No `seed`: the noise seed always comes from the OS (cfg.seed is public: init, data order).
   private = {"noise_multiplier": noise_multiplier, **common}
+  bands = band_coefficients(cfg, total_steps)
+  if bands is not None:
+    private["band_coefficients"] = bands
   if cfg.optimizer == "dpnsgd":
     return tf_dpnsgd.DPNSGD(regularizer=cfg.regularizer, momentum=cfg.momentum, **private)
   adaptive = {n: getattr(cfg, n) for n in ADAPTIVE_FLAGS}
@@ -451,13 +554,19 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
                       f"({dataset_size} examples).")
   if not cfg.private:
     return None
+  bands = {"bands": cfg.bands} if cfg.noise == "bandmf" else {}
   try:
-    return PrivacyPlan(dataset_size=dataset_size, batch_size=cfg.batch_size,
+    if bands:
+      check_bands_fit(cfg.bands, cfg.batch_size, dataset_size)
+    plan = PrivacyPlan(dataset_size=dataset_size, batch_size=cfg.batch_size,
                        sampling=cfg.sampling, delta=cfg.delta, epochs=cfg.epochs,
                        noise_multiplier=cfg.noise_multiplier,
                        target_epsilon=cfg.target_epsilon, accountant=cfg.accountant,
                        bound=cfg.bound, conversion=cfg.conversion, seed=sampler_seed,
-                       releases=cfg.releases)
+                       releases=cfg.releases, **bands)
+    if bands:
+      check_bands_fit(cfg.bands, cfg.batch_size, dataset_size, plan.num_steps)
+    return plan
   except ValueError as e:
     raise LaunchError(str(e)) from None
 
@@ -506,6 +615,15 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   # 0's, shared, so that every worker draws the same batches.
   sampler_seed = (distribution.broadcast_int(strategy, noise_lib.random_seed())
                   if distribution.is_multi_worker(strategy) else None)
+  if cfg.private and resume.keeps_sampler_seed(cfg.sampling):
+    # Correlated noise resumes on its first steps' partition (the secret seed kept,
+    # owner-only, in model_dir) or not at all; a fresh run draws an OS seed.
+    has_ckpt = bool(cfg.model_dir) and os.path.exists(
+        os.path.join(cfg.model_dir, "checkpoint.weights.h5"))
+    try:
+      sampler_seed = resume.sampler_seed_to_resume(cfg.model_dir, cfg.sampling, has_ckpt)
+    except resume.ResumeError as e:
+      raise LaunchError(str(e)) from None
   plan = make_plan(cfg, n, sampler_seed=sampler_seed)
   if cfg.seed is not None:  # public: initialisation and data order only
     keras.utils.set_random_seed(cfg.seed)
@@ -556,6 +674,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
       logging.info("Resumed from %s at step %d.", ckpt, start_step)
     if chief:
       resume.write_marker(cfg.model_dir, marker)
+      if plan and resume.keeps_sampler_seed(plan.sampling):
+        resume.write_sampler_seed(cfg.model_dir, plan.seed)  # secret: owner-only, never logged
   if not chief:  # only the chief writes (checkpoints, history, TensorBoard, reports, export)
     ckpt = hist_path = None
 
@@ -578,6 +698,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
          "final_metrics": {k: float(v) for k, v in final.items()},
          "best_val_accuracy": max(history.get("val_accuracy", [float("nan")])),
          "extra": dict(extra_report or {})}
+  if plan:  # the noise mechanism the epsilon is for (the plan's bands: 1 = independent)
+    run["extra"].update(noise=cfg.noise, bands=plan.bands)
   if after_training is not None:
     run["extra"].update(after_training(model, plan, run["final_metrics"]))
   if plan:

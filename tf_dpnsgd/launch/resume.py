@@ -20,8 +20,20 @@ failing closed:
   by hand).
 
 :func:`check_resume_point` refuses to resume a shuffle-sampled run inside an epoch.
-Everything here is a pure function of its arguments except :func:`read_marker`
-and :func:`write_marker`.
+
+Correlated noise (``--noise=bandmf``, cyclic Poisson sampling) continues only on the
+partition its first step used (the ledger refuses any other sampler seed after step 0,
+``ledger.seed_must_match``). So such a run keeps its sampler seed, a SECRET (it decides
+which examples share a part), in :data:`SEED_FILE` inside ``--model_dir``, created
+owner-only (``0600``) before training; nowhere else (not in ``run.json``, the report, logs
+or the export). A resume reads it back (:func:`sampler_seed_to_resume`): a checkpoint
+without it, or a file that others may read, is refused. The noise buffers travel in the
+checkpoint with the optimizer's variables; the ledger refuses buffers that do not continue
+it (a rollback).
+
+Everything here is a pure function of its arguments except :func:`read_marker`,
+:func:`write_marker`, :func:`read_sampler_seed`, :func:`write_sampler_seed` and
+:func:`sampler_seed_to_resume` (files in ``model_dir``).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import os
 from typing import Optional
 
 MARKER_FILE = "run.json"
+SEED_FILE = "sampler_seed.secret"  # cyclic-Poisson runs only; owner-only; never published
 MARKER_FORMAT = 1
 NEW_DIR = "Use a new --model_dir (or delete this one)."
 
@@ -141,5 +154,74 @@ def check_resume_point(plan, start_step: int) -> None:
         "epoch ends (--max_steps a multiple of the steps per epoch).")
 
 
-__all__ = ["MARKER_FILE", "ResumeError", "check_resume", "check_resume_point",
+def keeps_sampler_seed(sampling: Optional[str]) -> bool:
+  """Whether a run with this sampling keeps its sampler seed to resume: cyclic Poisson
+  (correlated noise), whose partition must not change after step 0. Other samplings
+  draw a new OS seed on resume, as before (Poisson, uniform: memoryless; shuffle: at epoch
+  boundaries only, :func:`check_resume_point`)."""
+  return sampling == "cyclic_poisson"
+
+
+def write_sampler_seed(model_dir: str, seed: int) -> str:
+  """Writes ``seed`` to ``model_dir``/:data:`SEED_FILE`, readable by the owner only (created
+  ``0600`` and replaced atomically: the seed is never in a file others can read)."""
+  path = os.path.join(model_dir, SEED_FILE)
+  tmp = path + ".tmp"
+  if os.path.exists(tmp):
+    os.remove(tmp)
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    f.write(f"{int(seed)}\n")
+  os.chmod(tmp, 0o600)  # whatever the umask
+  os.replace(tmp, path)
+  return path
+
+
+def read_sampler_seed(model_dir: str) -> Optional[int]:
+  """The seed in ``model_dir``/:data:`SEED_FILE`; ``None`` if absent.
+
+  Raises:
+    ResumeError: the file is readable or writable by others than its owner (the partition
+      may be known, or replaced), or does not hold an integer.
+  """
+  path = os.path.join(model_dir, SEED_FILE)
+  if not os.path.exists(path):
+    return None
+  mode = os.stat(path).st_mode & 0o777
+  if mode & 0o077:
+    raise ResumeError(
+        f"{path} (the secret sampler seed of this correlated-noise run) has mode "
+        f"{mode:o}: others may read or replace it, so the cyclic-Poisson partition is not "
+        f"secret. If you are sure nobody else accessed it, chmod 600 it; else {NEW_DIR}")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return int(f.read().strip())
+  except ValueError:
+    raise ResumeError(f"{path} does not hold a sampler seed (an integer). {NEW_DIR}") from None
+
+
+def sampler_seed_to_resume(model_dir: Optional[str], sampling: str,
+                           has_checkpoint: bool) -> Optional[int]:
+  """The sampler seed a run must use: ``None`` (draw a fresh OS seed) unless it resumes a
+  checkpoint of a run that keeps its seed (:func:`keeps_sampler_seed`), then the kept one.
+
+  Raises:
+    ResumeError: a cyclic-Poisson checkpoint without its seed file (deleted, or copied
+      without it): a new seed would be a new partition, under which an example could run
+      in two steps fewer than ``b`` apart, which the accounting excludes.
+  """
+  if not (model_dir and has_checkpoint and keeps_sampler_seed(sampling)):
+    return None
+  seed = read_sampler_seed(model_dir)
+  if seed is None:
+    raise ResumeError(
+        f"--model_dir={model_dir} holds a checkpoint of a correlated-noise (--noise=bandmf) "
+        f"run but not its sampler seed ({SEED_FILE}): the run can continue only on the "
+        "cyclic-Poisson partition of its first steps, and a new seed would be a new "
+        f"partition that the accounting does not cover. {NEW_DIR}")
+  return seed
+
+
+__all__ = ["MARKER_FILE", "SEED_FILE", "keeps_sampler_seed", "read_sampler_seed",
+           "sampler_seed_to_resume", "write_sampler_seed", "ResumeError", "check_resume", "check_resume_point",
            "marker_differences", "read_marker", "run_marker", "write_marker"]
