@@ -251,14 +251,33 @@ def report_lines(report: dict) -> list:
         lines.append(f"* note: {note}")
     lines.append("")
   lines += whole_sweep_lines(report.get("whole_sweep"))
-  for cell, items in (report.get("not_covered") or {}).items():
-    lines.append(f"Not covered by cell {cell}'s epsilon: " + " | ".join(items))
+  lines += not_covered_lines(report.get("not_covered") or {}, report["finished"])
   if report.get("heatmaps"):
     lines.append("Heatmaps: " + ", ".join(report["heatmaps"]))
   if report.get("curves", {}).get("path"):
     lines.append(f"Curves: {report['curves']['path']} ({', '.join(report['curves']['cells'])})")
   lines += ["", "Assumptions:"] + [f"* {a}" for a in report["assumptions"]]
   return lines
+
+
+def not_covered_lines(not_covered: dict, finished: int) -> list:
+  """One line per distinct ``not_covered`` list, naming its cells, or "every finished cell"
+  when all ``finished`` cells share one list.
+
+  >>> not_covered_lines({"a": ["x"], "b": ["x"]}, 2)
+  ["Not covered by every finished cell's epsilon: x"]
+  >>> not_covered_lines({"a": ["x"], "b": ["x"]}, 3)
+  ["Not covered by cells a, b's epsilon: x"]
+  >>> not_covered_lines({"a": ["x"], "b": ["y"], "c": ["x"]}, 3)
+  ["Not covered by cells a, c's epsilon: x", "Not covered by cell b's epsilon: y"]
+  """
+  groups: dict = {}
+  for cell, items in not_covered.items():
+    groups.setdefault(tuple(items), []).append(cell)
+  if len(groups) == 1 and len(not_covered) == finished > 1:
+    return ["Not covered by every finished cell's epsilon: " + " | ".join(next(iter(groups)))]
+  return [f"Not covered by cell{'s' if len(cells) > 1 else ''} {', '.join(cells)}'s epsilon: "
+          + " | ".join(items) for items, cells in groups.items()]
 
 
 def whole_sweep_lines(whole: Optional[dict]) -> list:
