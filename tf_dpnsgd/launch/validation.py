@@ -1,0 +1,209 @@
+"""The launchers' flag rules: the allowed values and the cross-flag checks.
+
+Pure functions of a dict of flag values (absl multi-flag validators, registered by
+:func:`tf_dpnsgd.launch.common.define_flags` from :data:`CHECKS`); each raises
+``ValueError`` with a message that says what to do. Kept apart from
+:mod:`tf_dpnsgd.launch.common` (which re-exports these names) so that the rules can be
+read, and tested, without the run machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd", "adam")
+NON_PRIVATE = ("sgd", "adam")  # the baselines: no noise, no plan, no epsilon
+SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisson: --noise=bandmf
+NOISES = ("independent", "bandmf", "blt")  # blt: refused (no accounting), listed for its message
+PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
+ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
+_SGD_NOISE_MESSAGE = ("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
+                      "--target_epsilon, or choose a DP optimizer.")
+
+
+class LaunchError(ValueError):
+  """A user error found before training (flags that do not fit the data, an existing
+  export directory, ...): launchers print it as one line, without a traceback."""
+
+
+def _check_enums(d):
+  if d["optimizer"] not in OPTIMIZERS:
+    raise ValueError(f"--optimizer must be one of {OPTIMIZERS}; got {d['optimizer']!r}.")
+  if d["sampling"] not in SAMPLINGS:
+    raise ValueError(f"--sampling must be one of {SAMPLINGS}; got {d['sampling']!r}.")
+
+
+def _check_noise(d):
+  """The noise mechanism (``--noise``, ``--bands``) against the flags it constrains.
+
+  ``--noise=bandmf --bands=b`` (b >= 2) is banded matrix-factorization noise, accounted under
+  cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm. 4; docs/correlated_noise.md).
+  ``b`` against the data (``b B <= N``, ``b <= steps``) is checked with the plan
+  (:func:`check_bands_fit`).
+  """
+  noise, bands, sampling = d.get("noise", "independent"), d.get("bands"), d["sampling"]
+  if noise == "blt":
+    raise ValueError(
+        "--noise=blt: BLT noise has no privacy accounting in tf_dpnsgd (its columns overlap at "
+        "every distance, so cyclic Poisson amplification does not apply) and a launcher "
+        "reports an epsilon. Use --noise=bandmf --bands=b, or BLT on the explicit path "
+        "(docs/correlated_noise.md) for experiments without an epsilon.")
+  if noise not in NOISES:
+    raise ValueError(f"--noise must be independent or bandmf; got {noise!r}.")
+  if noise == "independent":
+    if bands is not None:
+      raise ValueError(f"--bands={bands} needs --noise=bandmf (correlated noise); drop --bands "
+                       "for independent noise.")
+    if sampling == "cyclic_poisson":
+      raise ValueError("--sampling=cyclic_poisson goes with correlated noise: give "
+                       "--noise=bandmf --bands=b, or another --sampling.")
+    return
+  if bands is None or bands < 2:
+    raise ValueError(f"--noise=bandmf needs --bands=b with b >= 2 (the number of bands of the "
+                     f"noise; b=1 is independent noise: use --noise=independent); got "
+                     f"--bands={bands}.")
+  if sampling != "cyclic_poisson":
+    raise ValueError(f"--noise=bandmf is accounted under cyclic Poisson sampling (each example "
+                     f"at most once every b steps); got --sampling={sampling}. Drop --sampling "
+                     "(--noise=bandmf sets --sampling=cyclic_poisson).")
+  if d["optimizer"] in NON_PRIVATE:
+    raise ValueError(f"--noise=bandmf is DP noise; --optimizer={d['optimizer']} trains without "
+                     "privacy. Drop --noise/--bands, or choose a DP optimizer.")
+  adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
+  if adaptive:
+    raise ValueError(f"--noise=bandmf cannot use adaptive clipping (--{adaptive[0]}): its noise "
+                     "std changes every step, which the banded analysis does not cover. Use a "
+                     "fixed --l2_norm_clip, or --noise=independent.")
+  if d.get("distribution_strategy", "none") != "none":
+    raise ValueError("--noise=bandmf runs on one replica (correlated noise across tf.distribute "
+                     "replicas is not implemented): use --distribution_strategy=none, or "
+                     "--noise=independent.")
+
+
+def check_bands_fit(bands: int, batch_size: int, dataset_size: int,
+                    num_steps: Optional[int] = None) -> None:
+  """Raises ``ValueError`` unless ``b`` parts of ``N`` hold batches of ``B`` (``b B <= N``)
+  and the run has at least ``b`` steps (``num_steps``, when given)."""
+  if bands * batch_size > dataset_size:
+    raise ValueError(f"--bands={bands} with --batch_size={batch_size} needs b * B <= N "
+                     f"({bands * batch_size} > {dataset_size} examples): cyclic Poisson samples "
+                     "each step from one of b parts of N/b examples. Use fewer bands or a "
+                     "smaller batch.")
+  if num_steps is not None and bands > num_steps:
+    raise ValueError(f"--bands={bands} is more than the run's {num_steps} planned steps: use "
+                     f"--bands <= {num_steps}, or train longer.")
+
+
+def _check_regularizer(d):
+  if d["optimizer"] in ("dpnsgd", "dpnadam") and not (d["regularizer"] or 0) > 0:
+    raise ValueError(f"--regularizer must be > 0 for {d['optimizer']}; got {d['regularizer']}.")
+
+
+def _check_clip(d):
+  if d["optimizer"] in ("dpsgd", "dpadam") and not (d["l2_norm_clip"] or 0) > 0:
+    raise ValueError(f"--l2_norm_clip must be > 0 for {d['optimizer']}; got {d['l2_norm_clip']}.")
+
+
+def _check_adaptive_clipping(d):
+  given = [n for n in ADAPTIVE_FLAGS if d[n] is not None]
+  if not given:
+    return
+  if d["optimizer"] not in ("dpsgd", "dpadam"):
+    raise ValueError(f"--{given[0]} (quantile-adaptive clipping) needs a clipping optimizer "
+                     f"(--optimizer=dpsgd or dpadam); got --optimizer={d['optimizer']}.")
+  if d["target_unclipped_quantile"] is None:
+    raise ValueError(f"--{given[0]} needs --target_unclipped_quantile (adaptive clipping).")
+  if not 0 <= d["target_unclipped_quantile"] <= 1:
+    raise ValueError("--target_unclipped_quantile must be in [0, 1]; got "
+                     f"{d['target_unclipped_quantile']}.")
+  if d["clip_learning_rate"] is not None and not d["clip_learning_rate"] >= 0:
+    raise ValueError(f"--clip_learning_rate must be >= 0; got {d['clip_learning_rate']}.")
+  if d["clipped_count_stddev"] is not None and not d["clipped_count_stddev"] >= 0:
+    raise ValueError(f"--clipped_count_stddev must be >= 0; got {d['clipped_count_stddev']}.")
+
+
+def _check_learning_rate(d):
+  if not (d["learning_rate"] is not None and d["learning_rate"] > 0):
+    raise ValueError(f"--learning_rate must be > 0; got {d['learning_rate']}.")
+
+
+def _check_max_steps(d):
+  if d["max_steps"] is not None and d["max_steps"] < 1:
+    raise ValueError(f"--max_steps must be >= 1; got {d['max_steps']}.")
+
+
+def _check_epochs(d):
+  if not (d["epochs"] is not None and d["epochs"] > 0):
+    raise ValueError(f"--epochs must be > 0; got {d['epochs']}.")
+
+
+def _check_batch_sizes(d):
+  if d["batch_size"] is None or d["batch_size"] < 1:
+    raise ValueError(f"--batch_size must be >= 1; got {d['batch_size']}.")
+  if d["physical_batch_size"] is not None and not 1 <= d["physical_batch_size"] <= d["batch_size"]:
+    raise ValueError(f"--physical_batch_size ({d['physical_batch_size']}) must lie in "
+                     f"[1, --batch_size ({d['batch_size']})].")
+
+
+# (flags read, check raising ValueError): run by ExperimentConfig and, at flag parsing, by
+# absl validators (so a bad combination is a one-line flag error, before anything loads).
+STRATEGIES = ("none", "mirrored", "multi_worker", "tpu")
+
+
+def _check_strategy(d):
+  strategy = d.get("distribution_strategy", "none")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"--distribution_strategy must be one of {STRATEGIES}; got {strategy!r}.")
+  if (strategy == "tpu") != bool(d.get("tpu")):
+    raise ValueError("--tpu (the TPU address, e.g. grpc://10.0.0.2:8470 or a TPU name; "
+                     "'local' on a TPU VM) goes with --distribution_strategy=tpu, and only "
+                     "with it.")
+
+
+CHECKS = (
+    (("optimizer", "sampling"), _check_enums),
+    (("optimizer", "regularizer"), _check_regularizer),
+    (("optimizer", "l2_norm_clip"), _check_clip),
+    (("optimizer",) + ("target_unclipped_quantile", "clip_learning_rate",
+                       "clipped_count_stddev"), _check_adaptive_clipping),
+    (("learning_rate",), _check_learning_rate),
+    (("max_steps",), _check_max_steps),
+    (("epochs",), _check_epochs),
+    (("batch_size", "physical_batch_size"), _check_batch_sizes),
+    (("distribution_strategy", "tpu"), _check_strategy),
+    (("noise", "bands", "sampling", "optimizer", "distribution_strategy") + ADAPTIVE_FLAGS,
+     _check_noise),
+)
+
+
+def resolve_privacy(optimizer: str, noise_multiplier: Optional[float],
+                    target_epsilon: Optional[float], explicit=()) -> tuple:
+  """``(noise_multiplier, target_epsilon)`` of a run from the flag values.
+
+  ``explicit`` names the privacy flags given on the command line (or in a
+  flag file); the others hold the launcher's defaults. A private optimizer
+  uses the explicit one of the two, else the default (the launcher's target
+  epsilon); ``--optimizer=sgd`` uses neither.
+
+  Raises:
+    ValueError: both flags given explicitly; ``--optimizer=sgd`` with either
+      given explicitly; a private optimizer and no value at all.
+  """
+  given = {n for n in PRIVACY_FLAGS if n in explicit}
+  values = {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon}
+  given = {n for n in given if values[n] is not None}
+  if optimizer in NON_PRIVATE:
+    if given:
+      raise ValueError(_SGD_NOISE_MESSAGE)
+    return None, None
+  if len(given) == 2:
+    raise ValueError("Give only one of --noise_multiplier and --target_epsilon (both were "
+                     "given).")
+  if given:
+    name = given.pop()
+    return ((noise_multiplier, None) if name == "noise_multiplier" else (None, target_epsilon))
+  if target_epsilon is not None:  # neither given: the launcher's default target epsilon
+    return None, target_epsilon
+  if noise_multiplier is not None:
+    return noise_multiplier, None
+  raise ValueError(f"--optimizer={optimizer} needs --noise_multiplier or --target_epsilon.")
