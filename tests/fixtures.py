@@ -326,3 +326,18 @@ def applied_noise_prefix_sums(n, dim, seed, momentum=0.0, lineage=7, **noise):
                                 step=tf.constant([lineage, 0, t], tf.int64))
     out.append(-v.numpy())
   return np.stack(out)
+
+
+# --- the in-process launcher runs (test_resume, test_launch_correlated) ---------------------
+def tiny_image_data():
+  """64 4x4x1 images, label 1 where the mean pixel is positive."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 4, 4, 1)).astype("float32")
+  return x, (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
+
+
+def tiny_image_mlp():
+  """Flatten -> Dense(8, tanh) -> Dense(2) on :func:`tiny_image_data`'s images."""
+  inputs = keras.Input((4, 4, 1))
+  h = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(inputs))
+  return keras.Model(inputs, keras.layers.Dense(2)(h))

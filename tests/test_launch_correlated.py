@@ -26,6 +26,8 @@ from tf_dpnsgd import accounting
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.launch import resume
 
+import fixtures
+
 
 def parse(*args, **defaults):
   """The shared launcher flags parsed from ``args`` (launcher default: target epsilon 4)."""
@@ -220,16 +222,8 @@ def test_quickstart_refuses_bad_noise_flags_before_training(tmp_path):
 SAMPLER_SEED, NOISE_SEED = 20261126, 7
 
 
-def _data():
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(64, 4, 4, 1)).astype("float32")
-  return x, (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
-
-
-def _build():
-  inputs = keras.Input((4, 4, 1))
-  h = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(inputs))
-  return keras.Model(inputs, keras.layers.Dense(2)(h))
+_data = fixtures.tiny_image_data
+_build = fixtures.tiny_image_mlp
 
 
 def _run(model_dir, **kw):

@@ -6,13 +6,14 @@ import os
 import shutil
 
 import keras
-import numpy as np
 import pytest
 
 import tf_dpnsgd
 from tf_dpnsgd import runner
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.launch import resume
+
+import fixtures
 
 PLAN = {"dataset_size": 64, "batch_size": 16, "sampling": "poisson", "epochs": 1.0,
         "noise_multiplier": None, "target_epsilon": 4.0, "releases": []}
@@ -84,16 +85,8 @@ def test_restore_refuses_to_resume_a_private_model_from_plain_weights(tmp_path):
 
 
 # --- run_experiment end to end (in process) ------------------------------------------------
-def _data():
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(64, 4, 4, 1)).astype("float32")
-  return x, (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
-
-
-def _build():
-  inputs = keras.Input((4, 4, 1))
-  h = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(inputs))
-  return keras.Model(inputs, keras.layers.Dense(2)(h))
+_data = fixtures.tiny_image_data
+_build = fixtures.tiny_image_mlp
 
 
 def _run(model_dir, **kw):
