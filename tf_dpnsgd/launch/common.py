@@ -71,7 +71,7 @@ from tf_dpnsgd.records import RunRecord
 
 from tf_dpnsgd.launch.validation import (  # noqa: F401 (re-exported: the launchers' API)
     ADAPTIVE_FLAGS, CHECKS, NOISES, NON_PRIVATE, OPTIMIZERS, PRIVACY_FLAGS, SAMPLINGS, STRATEGIES,
-    LaunchError, _SGD_NOISE_MESSAGE, check_bands_fit, resolve_privacy)
+    LaunchError, check_bands_fit, non_private_message, resolve_privacy)
 
 
 def band_coefficients(cfg, num_steps: int):
@@ -127,7 +127,7 @@ class ExperimentConfig:
         raise ValueError("Give exactly one of --noise_multiplier and --target_epsilon "
                          "(both or neither were given).")
     elif self.noise_multiplier is not None or self.target_epsilon is not None:
-      raise ValueError(_SGD_NOISE_MESSAGE)
+      raise ValueError(non_private_message(self.optimizer))
     values = dataclasses.asdict(self)
     for _, check in CHECKS:
       check(values)

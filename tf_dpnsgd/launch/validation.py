@@ -17,8 +17,10 @@ SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisso
 NOISES = ("independent", "bandmf", "blt")  # blt: refused (no accounting), listed for its message
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
-_SGD_NOISE_MESSAGE = ("--optimizer=sgd trains without privacy: drop --noise_multiplier / "
-                      "--target_epsilon, or choose a DP optimizer.")
+def non_private_message(optimizer: str) -> str:
+  """The error for a privacy flag given to a non-private baseline (``sgd``, ``adam``)."""
+  return (f"--optimizer={optimizer} trains without privacy: drop --noise_multiplier / "
+          "--target_epsilon, or choose a DP optimizer.")
 
 
 class LaunchError(ValueError):
@@ -194,7 +196,7 @@ def resolve_privacy(optimizer: str, noise_multiplier: Optional[float],
   given = {n for n in given if values[n] is not None}
   if optimizer in NON_PRIVATE:
     if given:
-      raise ValueError(_SGD_NOISE_MESSAGE)
+      raise ValueError(non_private_message(optimizer))
     return None, None
   if len(given) == 2:
     raise ValueError("Give only one of --noise_multiplier and --target_epsilon (both were "
