@@ -896,3 +896,20 @@ def test_canary_audit_not_covered_lists_what_reads_private_rows_outside_the_mech
   (item,) = canary_audit.not_covered(spec(num_canaries=10, baseline=True))
   assert "second model" in item
   assert len(canary_audit.not_covered(spec(num_canaries=10, kind="input", baseline=True))) == 2
+
+
+def test_audit_launcher_refuses_momentum_for_adam_variants():
+  """--momentum is SGD momentum: the audit launcher refused nothing and dropped it for
+  dpadam/dpnadam (a child process: the launcher defines absl flags at import)."""
+  code = ("from tf_dpnsgd.launch.audit import optimizer_factory, FlagError\n"
+          "for name in ('dpadam', 'dpnadam'):\n"
+          "  try:\n"
+          "    optimizer_factory(name, 1e-3, 0.1, 1.0, momentum=0.9)\n"
+          "    raise SystemExit(name + ' accepted momentum')\n"
+          "  except FlagError as e:\n"
+          "    assert 'would ignore it' in str(e), e\n"
+          "optimizer_factory('dpnsgd', 1.0, 0.1, 1.0, momentum=0.9)(1.0)\n"
+          "print('ok')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=REPO, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -231,6 +231,10 @@ def test_privacy_flags_resolve_against_the_launcher_default(tmp_path):
     (["--regularizer=0"], "--regularizer must be > 0"),
     (["--optimizer=dpsgd", "--l2_norm_clip=-1"], "--l2_norm_clip must be > 0"),
     (["--physical_batch_size=512"], "--physical_batch_size"),
+    (["--optimizer=dpnadam", "--momentum=0.9"], "would ignore it"),  # was silently ignored
+    (["--optimizer=dpadam", "--momentum=0.9"], "would ignore it"),
+    (["--optimizer=adam", "--momentum=0.5"], "would ignore it"),
+    (["--momentum=1"], r"--momentum must be in \[0, 1\)"),
 ])
 def test_bad_flag_combinations_are_flag_errors(tmp_path, args, message):
   from absl import flags
@@ -256,6 +260,14 @@ def test_unset_physical_batch_size_adapts_to_the_batch_size_given(tmp_path):
   flagfile.write_text("--physical_batch_size=250\n")
   with pytest.raises(flags.IllegalFlagValueError, match="--physical_batch_size"):
     parse_launcher_flags(f"--flagfile={flagfile}", "--batch_size=64", **cifar)
+
+
+def test_momentum_zero_after_a_flag_file_that_sets_it_is_accepted_for_adam(tmp_path):
+  """An SGD flag file (momentum 0.9) reused for an Adam variant: --momentum=0 unsets it."""
+  flagfile = tmp_path / "sgd.flags"
+  flagfile.write_text("--momentum=0.9\n")
+  cfg = parse_launcher_flags(f"--flagfile={flagfile}", "--optimizer=dpnadam", "--momentum=0")
+  assert (cfg.optimizer, cfg.momentum) == ("dpnadam", 0.0)
 
 
 def test_flag_file_epsilon_and_command_line_sigma_conflict(tmp_path):

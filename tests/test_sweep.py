@@ -292,6 +292,23 @@ def test_sweep_curves_show_test_metrics_unless_training_metrics_are_asked_for(tm
   assert drawn[True] == {"loss", "accuracy", "val_loss", "val_accuracy"}
 
 
+@pytest.mark.parametrize("base,split", [("sst2", "dev"), ("mnist", "test")])
+def test_figures_and_report_name_the_split_the_launcher_scores_on(tmp_path, base, split):
+  """SST-2 scores on GLUE's dev set: its heatmaps said "test accuracy"."""
+  axes = (sweeps.Axis.parse("learning_rate=0.5,2"),)
+  cells = sweeps.expand_grid(axes)
+  opts = sweeps.SweepOptions(base=base, sweep_dir=str(tmp_path), axes=axes,
+                             fixed=(("target_epsilon", "4"),), curves=("none",))
+  write_dp_and_sgd_cells(opts, cells)
+  summary = sweeps.summarize(opts, cells, print_fn=lambda *a: None)
+  other = {"dev": "test", "test": "dev"}[split]
+  titles = [heatmap_title(p) for p in summary["heatmaps"]]
+  assert titles and all(f"{split} accuracy" in t and other not in t for t in titles), titles
+  assert summary["eval_split"] == split
+  text = "\n".join(sweeps.report_lines(summary) + summary["assumptions"])
+  assert f"{split} accuracy" in text and f"{other} accuracy" not in text
+
+
 # ---------------------------------------------------------------------------
 # Heatmap figure.
 # ---------------------------------------------------------------------------

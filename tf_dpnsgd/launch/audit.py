@@ -182,6 +182,9 @@ def optimizer_factory(name, learning_rate, regularizer, l2_norm_clip, momentum=0
   if adaptive and name not in ("dpsgd", "dpadam"):
     raise FlagError(f"--{sorted(adaptive)[0]} (quantile-adaptive clipping) needs "
                     f"--optimizer=dpsgd or dpadam; got --optimizer={name}.")
+  if momentum and name in ("dpadam", "dpnadam"):
+    raise FlagError(f"--momentum={momentum} is SGD momentum; --optimizer={name} keeps Adam's "
+                    "moments and would ignore it. Drop --momentum.")
 
   def make(sigma):
     if name == "dpnsgd":

@@ -124,6 +124,17 @@ def _check_adaptive_clipping(d):
     raise ValueError(f"--clipped_count_stddev must be >= 0; got {d['clipped_count_stddev']}.")
 
 
+def _check_momentum(d):
+  """``--momentum`` is heavy-ball momentum of the SGD variants; Adam's moments are its own."""
+  momentum = d.get("momentum") or 0.0
+  if not 0 <= momentum < 1:
+    raise ValueError(f"--momentum must be in [0, 1); got {momentum}.")
+  if momentum and d["optimizer"] in ("dpadam", "dpnadam", "adam"):
+    raise ValueError(f"--momentum={momentum} is SGD momentum; --optimizer={d['optimizer']} "
+                     "keeps Adam's moments (beta_1 0.9) and would ignore it. Drop --momentum "
+                     "(or give --momentum=0 after a flag file that sets it).")
+
+
 def _check_learning_rate(d):
   if not (d["learning_rate"] is not None and d["learning_rate"] > 0):
     raise ValueError(f"--learning_rate must be > 0; got {d['learning_rate']}.")
@@ -169,6 +180,7 @@ CHECKS = (
     (("optimizer",) + ("target_unclipped_quantile", "clip_learning_rate",
                        "clipped_count_stddev"), _check_adaptive_clipping),
     (("learning_rate",), _check_learning_rate),
+    (("optimizer", "momentum"), _check_momentum),
     (("max_steps",), _check_max_steps),
     (("epochs",), _check_epochs),
     (("batch_size", "physical_batch_size"), _check_batch_sizes),

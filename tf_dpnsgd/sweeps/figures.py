@@ -121,8 +121,8 @@ def draw_heatmaps(opts: SweepOptions, panels: Sequence[Panel], rows_by_name: dic
       optimizers.discard(None)
       label = f"optimizer={optimizers.pop()}" if len(optimizers) == 1 else ""
     out[path] = plots.heatmap(path, drawn, _axis_label(x), _axis_label(y),
-                              title=f"{label + ': ' if label else ''}{opts.metric} test "
-                                    "accuracy (%)" + (NOT_PRIVATE_SUFFIX if mixed else ""))
+                              title=f"{label + ': ' if label else ''}{opts.metric} "
+                                    f"{opts.eval_split} accuracy (%)" + (NOT_PRIVATE_SUFFIX if mixed else ""))
   return out
 
 
@@ -158,9 +158,9 @@ def draw_curves(opts: SweepOptions, names: Sequence[str]) -> Optional[str]:
     return None
   path = os.path.join(opts.sweep_dir, "curves.png")
   if opts.plot_training_metrics:
-    title = "train (UNPRIVATIZED training-set metrics) and test curves"
+    title = f"train (UNPRIVATIZED training-set metrics) and {opts.eval_split} curves"
   else:
-    title = "test loss and accuracy per epoch"
+    title = f"{opts.eval_split} loss and accuracy per epoch"
   plots.training_curves(path, histories, title=title,
                         include_training=opts.plot_training_metrics)
   return path

@@ -236,6 +236,12 @@ class SweepOptions:
       raise SweepError(f"--near_best_points must be >= 0; got {self.near_best_points}.")
 
   @property
+  def eval_split(self) -> str:
+    """The name of the held-out split the base launcher scores on: SST-2 scores on GLUE's dev
+    set (its test labels are not public), the image launchers on their test sets."""
+    return "dev" if self.base == SHORT_NAMES["sst2"] else "test"
+
+  @property
   def fixed_flags(self) -> list:
     return [f"--{k}={v}" for k, v in self.fixed]
 

@@ -121,14 +121,14 @@ def assumptions(opts: SweepOptions) -> list:
       "ONLY the best trial. It does not cover this grid sweep as run and published.",
       "Trials differing in sigma or steps are accounted with the pointwise maximum of their "
       "RDP curves (quasi-convexity of Renyi divergence).",
-      "The score that selects the best trial is the test accuracy, computed on data outside "
-      "the protected training set.",
+      f"The score that selects the best trial is the {opts.eval_split} accuracy, computed on "
+      "data outside the protected training set.",
       f"Seeds: {seeds}.",
       ("curves.png also shows each chosen cell's training loss and accuracy "
        "(--plot_training_metrics): exact, unprivatized training-set metrics that NO epsilon "
        "here covers." if opts.plot_training_metrics else
-       "curves.png shows test metrics only; the cells' history.json files hold the exact, "
-       "unprivatized training metrics: keep them private (no epsilon covers them)."),
+       f"curves.png shows {opts.eval_split} metrics only; the cells' history.json files hold "
+       "the exact, unprivatized training metrics: keep them private (no epsilon covers them)."),
       "A non-private cell (optimizer=sgd) makes the whole sweep non-private: its run trained "
       "on the same data without noise.",
   ]
@@ -144,7 +144,7 @@ def summarize(opts: SweepOptions, cells: Sequence[Cell], print_fn=echo) -> dict:
   report = {"sweep_dir": opts.sweep_dir, "base": opts.base, "base_flagfile": opts.base_flagfile,
             "cells": len(cells), "finished": len(finished),
             "not_finished": [r["cell"] for r in rows if r["status"] != "finished"],
-            "metric": opts.metric, "results_csv": csv_path, "results_json": json_path,
+            "metric": opts.metric, "eval_split": opts.eval_split, "results_csv": csv_path, "results_json": json_path,
             "assumptions": assumptions(opts), "panels": []}
   if not finished:
     print_fn("No finished cell: nothing to plot or account for.")
@@ -209,7 +209,7 @@ def report_lines(report: dict) -> list:
   """A plain-text summary of the report (printed, and the body of report.md)."""
   lines = [f"# Sweep {report['sweep_dir']}", "",
            f"Base launcher `{report['base']}`, {report['finished']}/{report['cells']} cells "
-           f"finished; metric: {report['metric']} test accuracy.", ""]
+           f"finished; metric: {report['metric']} {report.get('eval_split', 'test')} accuracy.", ""]
   for e in report["panels"]:
     title = e["figure"] + (f" | {e['panel']}" if e["panel"] else "")
     lines.append(f"## {title}  (x: {e['x_axis']}, y: {e['y_axis']})")
