@@ -110,6 +110,7 @@ class ExperimentConfig:
   lr_schedule: str = "constant"
   momentum: float = 0.0
   weight_decay: float = 0.0
+  ema_momentum: Optional[float] = None  # exponential moving average of the weights (None: off)
   per_example: str = "auto"
   model_dir: Optional[str] = None
   export_dir: Optional[str] = None
@@ -213,6 +214,11 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
                     "constant | step (x0.1 at 50%, x0.01 at 75%) | cyclic (0.02..1.0).", **kw)
   flags.DEFINE_float("momentum", d["momentum"], "SGD momentum (dpnsgd/dpsgd/sgd).", **kw)
   flags.DEFINE_float("weight_decay", d["weight_decay"], "Decoupled weight decay (0: none).", **kw)
+  flags.DEFINE_float("ema_momentum", d["ema_momentum"],
+                     "Keep an exponential moving average of the weights with this momentum in "
+                     "(0, 1) (e.g. 0.99; De et al. 2022) and end training on it: a function of "
+                     "the noised updates, so free of privacy cost. The per-epoch validation "
+                     "metrics are of the raw weights, the final ones of the average.", **kw)
   flags.DEFINE_enum("per_example", d["per_example"],
                     tuple(tf_dpnsgd.per_example.ENGINE_NAMES), "Per-example gradient engine.",
                     **kw)
@@ -327,6 +333,8 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
   common = {"learning_rate": lr}
   if cfg.weight_decay:
     common["weight_decay"] = cfg.weight_decay
+  if cfg.ema_momentum is not None:  # post-processing of the noised updates (keras use_ema)
+    common.update(use_ema=True, ema_momentum=cfg.ema_momentum)
   if cfg.optimizer == "sgd":
     return keras.optimizers.SGD(momentum=cfg.momentum, **common)
   if cfg.optimizer == "adam":

@@ -135,6 +135,13 @@ def _check_momentum(d):
                      "(or give --momentum=0 after a flag file that sets it).")
 
 
+def _check_ema(d):
+  m = d.get("ema_momentum")
+  if m is not None and not 0 < m < 1:
+    raise ValueError(f"--ema_momentum must be in (0, 1) (e.g. 0.99), or left out for no "
+                     f"average; got {m}.")
+
+
 def _check_learning_rate(d):
   if not (d["learning_rate"] is not None and d["learning_rate"] > 0):
     raise ValueError(f"--learning_rate must be > 0; got {d['learning_rate']}.")
@@ -181,6 +188,7 @@ CHECKS = (
                        "clipped_count_stddev"), _check_adaptive_clipping),
     (("learning_rate",), _check_learning_rate),
     (("optimizer", "momentum"), _check_momentum),
+    (("ema_momentum",), _check_ema),
     (("max_steps",), _check_max_steps),
     (("epochs",), _check_epochs),
     (("batch_size", "physical_batch_size"), _check_batch_sizes),
