@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import tf_dpnsgd  # noqa: E402
 from tf_dpnsgd import audit  # noqa: E402
 from tf_dpnsgd.audit import plots as audit_plots  # noqa: E402
+from tf_dpnsgd.launch import validation  # noqa: E402
 
 DATASETS = ("digits", "mnist")
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpnadam", "dpadam")
@@ -182,9 +183,10 @@ def optimizer_factory(name, learning_rate, regularizer, l2_norm_clip, momentum=0
   if adaptive and name not in ("dpsgd", "dpadam"):
     raise FlagError(f"--{sorted(adaptive)[0]} (quantile-adaptive clipping) needs "
                     f"--optimizer=dpsgd or dpadam; got --optimizer={name}.")
-  if momentum and name in ("dpadam", "dpnadam"):
-    raise FlagError(f"--momentum={momentum} is SGD momentum; --optimizer={name} keeps Adam's "
-                    "moments and would ignore it. Drop --momentum.")
+  try:  # the launchers' rule: --momentum is SGD momentum, refused for the Adam variants
+    validation.check_momentum({"optimizer": name, "momentum": momentum})
+  except ValueError as e:
+    raise FlagError(str(e)) from None
 
   def make(sigma):
     if name == "dpnsgd":

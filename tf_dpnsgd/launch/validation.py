@@ -17,6 +17,8 @@ SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisso
 NOISES = ("independent", "bandmf", "blt")  # blt: refused (no accounting), listed for its message
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
+
+
 def non_private_message(optimizer: str) -> str:
   """The error for a privacy flag given to a non-private baseline (``sgd``, ``adam``)."""
   return (f"--optimizer={optimizer} trains without privacy: drop --noise_multiplier / "
@@ -124,7 +126,7 @@ def _check_adaptive_clipping(d):
     raise ValueError(f"--clipped_count_stddev must be >= 0; got {d['clipped_count_stddev']}.")
 
 
-def _check_momentum(d):
+def check_momentum(d):
   """``--momentum`` is heavy-ball momentum of the SGD variants; Adam's moments are its own."""
   momentum = d.get("momentum") or 0.0
   if not 0 <= momentum < 1:
@@ -165,8 +167,6 @@ def _check_batch_sizes(d):
                      f"[1, --batch_size ({d['batch_size']})].")
 
 
-# (flags read, check raising ValueError): run by ExperimentConfig and, at flag parsing, by
-# absl validators (so a bad combination is a one-line flag error, before anything loads).
 STRATEGIES = ("none", "mirrored", "multi_worker", "tpu")
 
 
@@ -180,6 +180,8 @@ def _check_strategy(d):
                      "with it.")
 
 
+# (flags read, check raising ValueError): run by ExperimentConfig and, at flag parsing, by
+# absl validators (so a bad combination is a one-line flag error, before anything loads).
 CHECKS = (
     (("optimizer", "sampling"), _check_enums),
     (("optimizer", "regularizer"), _check_regularizer),
@@ -187,7 +189,7 @@ CHECKS = (
     (("optimizer",) + ("target_unclipped_quantile", "clip_learning_rate",
                        "clipped_count_stddev"), _check_adaptive_clipping),
     (("learning_rate",), _check_learning_rate),
-    (("optimizer", "momentum"), _check_momentum),
+    (("optimizer", "momentum"), check_momentum),
     (("ema_momentum",), _check_ema),
     (("max_steps",), _check_max_steps),
     (("epochs",), _check_epochs),
