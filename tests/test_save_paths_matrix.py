@@ -10,6 +10,8 @@ tests saving across model types, never case by case:
   private model; ``tf.train.Checkpoint``; ``BackupAndRestore`` after an interrupted
   ``fit``; the BASE model's ``.keras`` save + ``make_private`` again (this machine's
   lineage record);
+* optimizers: DP-NSGD, and DP-NSGD keeping an exponential moving average of the weights
+  (``use_ema``: training ends on the average; its state travels with the optimizer's);
 * continuations: the report of the loaded model (oracle: dp-accounting's RDP epsilon of
   the steps that ran, computed here), and a further ``fit`` that is refused or counted on
   top (never from 0).
@@ -34,6 +36,7 @@ from tf_dpnsgd.callbacks import PrivacyBudgetExceededError
 N, B, EPOCHS, EPS, DELTA = 64, 16, 2, 2.0, 1e-5
 KINDS = ("sequential", "functional", "nested", "subclassed")
 PATHS = ("keras_file", "weights_file", "tf_checkpoint", "base_keras_file")
+OPTIMIZERS = ("dpnsgd", "dpnsgd_ema")
 
 
 TinySubclassed = fixtures.TinySubclassed
@@ -47,10 +50,11 @@ def _data():
   return fixtures.tiny_data(N)
 
 
-def _private(base):
+def _private(base, optimizer="dpnsgd"):
   model = tf_dpnsgd.make_private(base, target_epsilon=EPS, delta=DELTA, batch_size=B,
                                  epochs=EPOCHS, dataset_size=N)
-  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1),
+  ema = {"use_ema": True, "ema_momentum": 0.9} if optimizer == "dpnsgd_ema" else {}
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1, **ema),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model
 
@@ -77,17 +81,17 @@ def _private_lineage_record(lineage_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, lineage_dir):
-  """``trained(kind)``: the files of every save path after one private fit of that kind,
-  and what ran (trained once per kind, on first use: the quick tier trains one kind)."""
+  """``trained(kind, optimizer)``: the files of every save path after one private fit of that
+  kind, and what ran (trained once per pair, on first use: the quick tier trains one)."""
   cache = {}
 
-  def get(kind):
-    if kind not in cache:
+  def get(kind, optimizer="dpnsgd"):
+    if (kind, optimizer) not in cache:
       os.environ["TF_DPNSGD_LINEAGE_DIR"] = lineage_dir
       keras.utils.set_random_seed(1)
-      folder = tmp_path_factory.mktemp(kind)
+      folder = tmp_path_factory.mktemp(f"{kind}_{optimizer}")
       base = _build(kind)
-      model = _private(base)
+      model = _private(base, optimizer)
       model.fit(*_data(), verbose=0)
       ledger = ledger_lib.ledger_of(model)
       files = {"keras_file": str(folder / "m.keras"),
@@ -97,20 +101,21 @@ def trained(tmp_path_factory, lineage_dir):
       model.save_weights(files["weights_file"])
       files["tf_checkpoint"] = tf.train.Checkpoint(model=model).write(str(folder / "ckpt"))
       base.save(files["base_keras_file"])
-      cache[kind] = dict(files=files, steps=ledger.steps, lineage=ledger.lineage,
-                         sigma=model.privacy_plan.training_noise_multiplier,
-                         epsilon=model.privacy_report().epsilon)
-    return cache[kind]
+      cache[kind, optimizer] = dict(files=files, steps=ledger.steps, lineage=ledger.lineage,
+                                    sigma=model.privacy_plan.training_noise_multiplier,
+                                    epsilon=model.privacy_report().epsilon,
+                                    weights=model.get_weights())
+    return cache[kind, optimizer]
 
   return get
 
 
-def _load(path, kind, files):
+def _load(path, kind, files, optimizer="dpnsgd"):
   if path == "keras_file":
     return keras.models.load_model(files["keras_file"])
   if path == "base_keras_file":
-    return _private(keras.models.load_model(files["base_keras_file"]))
-  model = _private(_build(kind))
+    return _private(keras.models.load_model(files["base_keras_file"]), optimizer)
+  model = _private(_build(kind), optimizer)
   if path == "weights_file":
     model.load_weights(files["weights_file"])
   else:
@@ -132,19 +137,24 @@ def _continue_fit(model):
 
 # The README's own case (Sequential + .keras) runs in the quick tier; the rest of the matrix
 # in the full suite (each case loads, recompiles and fits: seconds each).
-MATRIX = [pytest.param(kind, path, marks=() if (kind, path) == ("sequential", "keras_file")
-                       else pytest.mark.slow) for kind in KINDS for path in PATHS]
+MATRIX = [pytest.param(kind, path, optimizer,
+                       marks=() if (kind, path, optimizer) == ("sequential", "keras_file", "dpnsgd")
+                       else pytest.mark.slow)
+          for optimizer in OPTIMIZERS for kind in KINDS for path in PATHS]
 
 
-@pytest.mark.parametrize("kind,path", MATRIX)
-def test_every_kind_and_save_path_keeps_the_ledger(trained, kind, path):
-  run = trained(kind)
+@pytest.mark.parametrize("kind,path,optimizer", MATRIX)
+def test_every_kind_and_save_path_keeps_the_ledger(trained, kind, path, optimizer):
+  run = trained(kind, optimizer)
   assert run["steps"] > 0
   # The trained model's own report against the independent oracle.
   assert run["epsilon"] == pytest.approx(_oracle_epsilon(run["steps"], run["sigma"]), rel=1e-6)
-  model = _load(path, kind, run["files"])
+  model = _load(path, kind, run["files"], optimizer)
   ledger = ledger_lib.ledger_of(model)
   assert ledger.steps == run["steps"], f"{kind} via {path}: the ledger lost its steps"
+  if path != "base_keras_file":  # the weights training ended on (the average, with use_ema)
+    for got, want in zip(model.get_weights(), run["weights"]):
+      np.testing.assert_array_equal(got, want)
   report = model.privacy_report()
   assert report.epsilon == pytest.approx(run["epsilon"], rel=1e-9)
   # A further fit: refused at the budget, or counted on top of the steps that ran.
@@ -156,8 +166,9 @@ def test_every_kind_and_save_path_keeps_the_ledger(trained, kind, path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_backup_and_restore_after_an_interrupted_fit_counts_every_step(tmp_path, kind):
+def test_backup_and_restore_after_an_interrupted_fit_counts_every_step(tmp_path, kind, optimizer):
   x, y = _data()
   backup = str(tmp_path / "backup")
 
@@ -165,13 +176,13 @@ def test_backup_and_restore_after_an_interrupted_fit_counts_every_step(tmp_path,
     def on_epoch_end(self, epoch, logs=None):
       raise RuntimeError("interrupted")
 
-  model = _private(_build(kind))
+  model = _private(_build(kind), optimizer)
   with pytest.raises(RuntimeError, match="interrupted"):
     model.fit(x, y, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup),
                                           Interrupt()])
   ran = ledger_lib.ledger_of(model).steps
   assert ran > 0
-  fresh = _private(_build(kind))
+  fresh = _private(_build(kind), optimizer)
   fresh.fit(x, y, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup)])
   ledger = ledger_lib.ledger_of(fresh)
   plan = fresh.privacy_plan
