@@ -1,8 +1,12 @@
-"""tf_dpnsgd.correlated.blt and BLT noise in the optimizer, against dense oracles.
+"""tf_dpnsgd.correlated.blt, BLT noise in the optimizer and its accounting, against oracles.
 
 Oracles: the materialized Toeplitz matrix (np.linalg.solve, the dense Frobenius norm),
-brute-force enumeration of every participation pattern (strategy.sensitivity), and the
-empirical prefix-sum error of the noise the optimizer applies."""
+brute-force enumeration of every participation pattern (strategy.sensitivity), the
+empirical prefix-sum error of the noise the optimizer applies, and dp-accounting's RDP and
+PLD epsilon of one Gaussian mechanism with the enumerated sensitivity (the accounting of BLT
+noise without amplification)."""
+
+import dp_accounting
 
 import keras
 import numpy as np
@@ -11,6 +15,7 @@ import tensorflow as tf
 
 import fixtures
 import tf_dpnsgd
+from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.correlated import blt as bl
 from tf_dpnsgd.correlated import noise as cn
@@ -96,7 +101,9 @@ def test_optimizer_config_round_trip_and_refusals():
                         blt_parameters=params)
   again = tf_dpnsgd.DPSGD.from_config(opt.get_config())
   assert again.blt_parameters == params and again.band_coefficients is None
-  assert again.bands == ledger_lib.BLT_BANDS
+  assert again.bands == TWO.ledger_code <= ledger_lib.BLT_BANDS
+  other = bl.BLTStrategy((0.9, 0.5), (0.3, 0.2000001))
+  assert other.ledger_code != TWO.ledger_code  # the ledger tells BLTs apart
   with pytest.raises(ValueError, match="not both"):
     tf_dpnsgd.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, blt_parameters=params,
                     band_coefficients=[1.0])
@@ -106,12 +113,85 @@ def test_optimizer_config_round_trip_and_refusals():
     bl.BLTStrategy((1.0,), (0.5,))
   plan = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
                      noise_multiplier=1.0, delta=1e-5, seed=0)
-  with pytest.raises(ValueError, match="no privacy plan accounts for yet"):
-    plan.check_optimizer(opt)
+  with pytest.raises(ValueError, match="amplification .* does not apply"):
+    plan.check_optimizer(opt)  # a BandMF plan (amplified) cannot account for a BLT
+  with_other = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2,
+                           steps=4, noise_multiplier=1.0, delta=1e-5, seed=0,
+                           blt=other.parameters())
+  with pytest.raises(ValueError, match="plan accounts for BLT noise with theta"):
+    with_other.check_optimizer(opt)  # another BLT: another sensitivity
+  with pytest.raises(accounting.UnsupportedAccountingError, match="cyclic_poisson"):
+    PrivacyPlan(dataset_size=64, batch_size=8, sampling="poisson", steps=4,
+                noise_multiplier=1.0, delta=1e-5, blt=params)
+  with pytest.raises(accounting.AccountingError, match="sum <= 1"):
+    PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2, steps=4,
+                noise_multiplier=1.0, delta=1e-5, blt=[[0.5, 0.5], [0.8, 0.8]])
 
 
-def test_a_model_trained_with_blt_noise_gets_no_epsilon():
-  """The ledger records BLT steps; no plan reports them (no amplification result here)."""
+def _oracle_epsilon(strategy, steps, separation, sigma, delta, accountant="rdp"):
+  """dp-accounting's epsilon of ONE Gaussian mechanism whose sensitivity is found by
+  enumerating every participation pattern (steps ``separation`` apart) of the matrix."""
+  sensitivity = st.sensitivity(strategy.matrix(steps), None, separation=separation)
+  if accountant == "pld":
+    acc = dp_accounting.pld.PLDAccountant()
+  else:
+    acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  acc.compose(dp_accounting.GaussianDpEvent(sigma / sensitivity))
+  return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_the_epsilon_of_blt_noise_is_one_gaussian_mechanism_of_the_enumerated_sensitivity(
+    accountant):
+  n, b, sigma, delta = 12, 3, 3.0, 1e-5
+  strategy = bl.optimize_blt(n, 2, b)
+  plan = PrivacyPlan(dataset_size=60, batch_size=5, sampling="cyclic_poisson", bands=b,
+                     steps=n, noise_multiplier=sigma, delta=delta, seed=0, accountant=accountant,
+                     blt=strategy.parameters())
+  epsilons = [plan.epsilon(t) for t in range(1, n + 1)]
+  for t in (1, 2, 4, 7, n):
+    assert epsilons[t - 1] == pytest.approx(
+        _oracle_epsilon(strategy, t, b, sigma, delta, accountant), rel=1e-6 if accountant == "rdp"
+        else 1e-3), t
+  assert all(a <= b for a, b in zip(epsilons, epsilons[1:]))  # a prefix releases less
+  # Independent noise without amplification over the same participations (C = I):
+  # sensitivity sqrt(ceil(n / b)); the BLT's is larger (its columns overlap), its error smaller.
+  assert st.sensitivity(strategy.matrix(n), None, separation=b) > np.sqrt(-(-n // b))
+  # Calibration: the target is met by the epsilon of what ran.
+  target = PrivacyPlan(dataset_size=60, batch_size=5, sampling="cyclic_poisson", bands=b,
+                       steps=n, target_epsilon=4.0, delta=delta, seed=0, accountant=accountant,
+                       blt=strategy.parameters())
+  got = _oracle_epsilon(strategy, n, b, target.training_noise_multiplier, delta, accountant)
+  assert got <= 4.0 * (1 + 2e-3) and got > 3.9
+  assert PrivacyPlan.from_json(target.to_json()) == target  # the BLT travels with the plan
+
+
+def test_make_private_blt_trains_and_reports_the_plans_blt():
+  """One call: the plan's BLT is optimized for its steps, separation and the optimizer's
+  momentum, handed to the optimizer, recorded by the ledger and reported."""
+  x, y = fixtures.tiny_data(64)
+  model = tf_dpnsgd.make_private(fixtures.tiny_model("sequential", seed=0), noise="blt",
+                                 bands=2, blt_buffers=2, noise_multiplier=2.0, delta=1e-5,
+                                 batch_size=8, steps=6)
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, momentum=0.9),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(x, y, verbose=0)
+  plan = model.privacy_plan
+  expected = bl.optimize_blt(plan.num_steps, 2, 2, momentum=0.9)
+  np.testing.assert_allclose(np.ravel(plan.blt), np.ravel(expected.parameters()), rtol=1e-9)
+  assert model.optimizer.blt_parameters == [list(v) for v in plan.blt]
+  ledger = ledger_lib.ledger_of(model)
+  assert ledger.steps == 6 and ledger.noise_bands == bl.BLTStrategy(*plan.blt).ledger_code
+  report = model.privacy_report()
+  assert report.epsilon == pytest.approx(
+      _oracle_epsilon(bl.BLTStrategy(*plan.blt), 6, 2, 2.0, 1e-5), rel=1e-6)
+  assert any("BLT" in note and "WITHOUT amplification" in note for note in report.notes)
+  assert report.to_dict()["sampling"] == "cyclic_poisson"
+  assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_a_model_trained_with_blt_noise_is_refused_by_a_plan_for_other_noise():
+  """The ledger records which BLT ran; a BandMF plan (or another BLT's) does not report it."""
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
   inputs = keras.Input((4,))
@@ -124,18 +204,32 @@ def test_a_model_trained_with_blt_noise_gets_no_epsilon():
                      noise_multiplier=1.0, delta=1e-5, seed=0)
   model.fit(plan.dataset(x, y, model=model), steps_per_epoch=2, epochs=1, verbose=0)
   ledger = ledger_lib.ledger_of(model)
-  assert ledger.steps == 2 and ledger.noise_bands == ledger_lib.BLT_BANDS
+  assert ledger.steps == 2 and ledger.noise_bands == TWO.ledger_code
   assert all(np.all(np.isfinite(w)) for w in model.get_weights())
   with pytest.raises(ledger_lib.LedgerMismatchError, match="BLT noise"):
     plan.report(model)
+  other = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2,
+                      steps=4, noise_multiplier=1.0, delta=1e-5, seed=0,
+                      blt=bl.BLTStrategy((0.9, 0.5), (0.3, 0.1)).parameters())
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="BLT noise .* accounts for BLT"):
+    other.report(model)
+  same = PrivacyPlan(dataset_size=64, batch_size=8, sampling="cyclic_poisson", bands=2,
+                     steps=4, noise_multiplier=1.0, delta=1e-5, seed=0, blt=TWO.parameters())
+  assert same.report(model).epsilon == pytest.approx(
+      _oracle_epsilon(TWO, 2, 2, 1.0, 1e-5), rel=1e-6)
 
 
-def test_make_private_refuses_blt_noise_with_what_to_do():
-  inputs = keras.Input((4,))
-  with pytest.raises(ValueError, match="no privacy accounting .* blt_parameters"):
-    tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(2)(inputs)),
-                           noise_multiplier=1.0, delta=1e-5, batch_size=8, steps=6,
-                           noise="blt", bands=2)
+def test_make_private_blt_arguments_are_checked():
+  base = fixtures.tiny_model("functional", seed=0)
+  common = dict(noise_multiplier=1.0, delta=1e-5, batch_size=8, steps=6)
+  with pytest.raises(ValueError, match="needs an int `bands` >= 1"):
+    tf_dpnsgd.make_private(base, noise="blt", **common)
+  with pytest.raises(ValueError, match="`blt_buffers` >= 1"):
+    tf_dpnsgd.make_private(base, noise="blt", bands=2, blt_buffers=0, **common)
+  with pytest.raises(ValueError, match="needs noise='blt'"):
+    tf_dpnsgd.make_private(base, noise="bandmf", bands=2, blt_buffers=2, **common)
+  with pytest.raises(ValueError, match="cyclic Poisson"):
+    tf_dpnsgd.make_private(base, noise="blt", bands=2, sampling="poisson", **common)
 
 
 def test_blt_buffers_travel_with_the_keras_file_and_continue_the_same_stream(tmp_path):

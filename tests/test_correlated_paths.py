@@ -1,10 +1,12 @@
-"""Correlated noise (BandMF) x every save / resume / rollback path of the privacy ledger.
+"""Correlated noise (BandMF, BLT) x every save / resume / rollback path of the privacy ledger.
 
 The twins of tests/test_save_paths_matrix.py, tests/test_fail_closed.py (rollbacks,
-BackupAndRestore, warm starts) for ``noise="bandmf"``: the banded mechanism's state is
-the optimizer's buffers ``w_{t-1}, ..., w_{t-b+1}`` and their position, and the
-accounting (Choquette-Choo et al. 2023, Thm. 4) assumes ONE secret partition of the
-data for the whole run. So after a save and a reload:
+BackupAndRestore, warm starts) for ``noise="bandmf"`` and ``noise="blt"`` (every test runs
+for both; the BLT twins in the full suite): the banded mechanism's state is the optimizer's
+buffers ``w_{t-1}, ..., w_{t-b+1}`` (a BLT's: its ``d`` buffers ``s_i``) and their position,
+and the accounting (Choquette-Choo et al. 2023, Thm. 4; for a BLT, no amplification but the
+separation ``b`` of an example's steps) assumes ONE partition of the data for the whole run.
+So after a save and a reload:
 
 * the buffers travel and a continued fit continues the SAME stream. Oracle: an
   uninterrupted run with the same initial weights, the same (fixed) sampler seed and
@@ -14,7 +16,8 @@ data for the whole run. So after a save and a reload:
 * a rollback (an older checkpoint loaded after the model advanced, in this process or
   in a new one) is refused, and the report says the ledger was rolled back and counts
   every executed step (oracle: dp-accounting's RDP epsilon of PoissonSampled(bB/N)
-  composed ceil(steps / b) times, built here);
+  composed ceil(steps / b) times, built here; for a BLT, of one Gaussian mechanism whose
+  sensitivity is found by enumerating every participation pattern of the matrix);
 * independent noise cannot continue a correlated model, nor the reverse: refused
   before the step, not only at the report.
 
@@ -31,7 +34,9 @@ import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd.correlated import blt as bl
 from tf_dpnsgd.correlated import noise as cn
+from tf_dpnsgd.correlated import strategy as st
 from tf_dpnsgd.plan import PrivacyPlan
 
 N, B, BANDS, STEPS, FIRST, SIGMA, DELTA = 64, 8, 2, 6, 3, 2.0, 1e-5
@@ -39,6 +44,45 @@ SAMPLER_SEED, NOISE_SEED = 5, 11
 KINDS = ("sequential", "functional", "nested", "subclassed")
 PATHS = ("keras_file", "weights_file", "tf_checkpoint", "base_keras_file")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+BLT = bl.optimize_blt(STEPS, 2, BANDS, momentum=0.9)  # the optimizer's momentum
+_NOISE = {"name": "bandmf"}  # the mechanism of the running test (the fixture below sets it)
+
+
+@pytest.fixture(autouse=True, params=["bandmf", pytest.param("blt", marks=pytest.mark.slow)])
+def noise(request):
+  """Every test of the module for BandMF (quick tier, as marked) and its BLT twin (slow)."""
+  _NOISE["name"] = request.param
+  yield request.param
+  _NOISE["name"] = "bandmf"
+
+
+def _blt():
+  return _NOISE["name"] == "blt"
+
+
+def _prefix():
+  return "blt" if _blt() else "bandmf"
+
+
+def _is_state(name):
+  """A noise buffer (``bandmf_w*`` / ``blt_s*``), not the position."""
+  return name.startswith("blt_s" if _blt() else "bandmf_w")
+
+
+def _code(bands=BANDS):
+  """What the ledger records for the correlated noise of the running test."""
+  return BLT.ledger_code if _blt() and bands == BANDS else bands
+
+
+def _name():
+  return "BLT" if _blt() else "BandMF"
+
+
+def _noise_kwargs():
+  """The explicit optimizer's correlated noise (BLT parameters or the banded strategy)."""
+  if _blt():
+    return {"blt_parameters": BLT.parameters()}
+  return {"band_coefficients": list(cn.bandmf(STEPS, BANDS))}
 
 
 TinySubclassed = fixtures.TinySubclassed
@@ -53,8 +97,9 @@ def _data():
 
 
 def _plan(seed=SAMPLER_SEED, bands=BANDS, sampling="cyclic_poisson"):
+  blt = BLT.parameters() if _blt() and bands == BANDS else ()
   return PrivacyPlan(dataset_size=N, batch_size=B, sampling=sampling, bands=bands, steps=STEPS,
-                     noise_multiplier=SIGMA, delta=DELTA, seed=seed)
+                     noise_multiplier=SIGMA, delta=DELTA, seed=seed, blt=blt)
 
 
 def _optimizer(band_coefficients=None):
@@ -63,7 +108,7 @@ def _optimizer(band_coefficients=None):
 
 
 def _private(base, plan=None):
-  """One call: the model owns ``plan`` and hands its banded strategy to the optimizer."""
+  """One call: the model owns ``plan`` and hands its strategy (banded, BLT) to the optimizer."""
   model = tf_dpnsgd.make_private(base, plan=plan or _plan())
   model.compile(optimizer=_optimizer(), loss=LOSS)
   return model
@@ -76,13 +121,18 @@ def _fit(model, steps, plan=None):
 
 
 def _buffers(model):
-  """The banded state: ``{name: value}`` of the optimizer's ``bandmf_*`` variables."""
+  """The correlated state: ``{name: value}`` of the optimizer's ``bandmf_*``/``blt_*``
+  variables."""
   return {v.name: np.asarray(v.numpy()) for v in model.optimizer.variables
-          if v.name.startswith("bandmf_")}
+          if v.name.startswith(_prefix() + "_")}
 
 
 def _oracle_epsilon(steps, bands=BANDS):
   acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  if _blt() and bands == BANDS:  # one Gaussian mechanism, no amplification
+    sensitivity = st.sensitivity(BLT.matrix(steps), None, separation=BANDS)  # enumeration
+    acc.compose(dp_accounting.GaussianDpEvent(SIGMA / sensitivity))
+    return acc.get_epsilon(DELTA)
   acc.compose(dp_accounting.PoissonSampledDpEvent(
       bands * B / N, dp_accounting.GaussianDpEvent(SIGMA)), -(-steps // bands))
   return acc.get_epsilon(DELTA)
@@ -98,7 +148,7 @@ def _assert_same_buffers(got, expected):
   """The noise buffers ``w_{t-k}`` equal (the position holds each run's own lineage)."""
   assert sorted(got) == sorted(expected)
   for name, value in expected.items():
-    if name.startswith("bandmf_w"):
+    if _is_state(name):
       np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
@@ -107,11 +157,12 @@ _STRAIGHT = {}
 
 def _straight(kind):
   """Weights and buffers of the uninterrupted run of ``kind`` (STEPS steps): the oracle."""
-  if kind not in _STRAIGHT:
+  key = (_NOISE["name"], kind)
+  if key not in _STRAIGHT:
     model = _private(_build(kind))
     _fit(model, STEPS)
-    _STRAIGHT[kind] = (model.get_weights(), _buffers(model))
-  return _STRAIGHT[kind]
+    _STRAIGHT[key] = (model.get_weights(), _buffers(model))
+  return _STRAIGHT[key]
 
 
 def _save(model, base, path, folder):
@@ -151,12 +202,12 @@ def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(tmp_path,
   first = _private(base)
   _fit(first, FIRST)
   saved = _buffers(first)
-  assert saved and all(np.any(v != 0) for k, v in saved.items() if k.startswith("bandmf_w"))
+  assert saved and all(np.any(v != 0) for k, v in saved.items() if _is_state(k))
   checkpoint = _save(first, base, path, tmp_path)
   loaded = _load(path, kind, tmp_path, checkpoint)
   ledger = ledger_lib.ledger_of(loaded)
   ledger.sync()
-  assert ledger.steps == FIRST and ledger.noise_bands == BANDS
+  assert ledger.steps == FIRST and ledger.noise_bands == _code()
   assert loaded.privacy_report().epsilon == pytest.approx(_oracle_epsilon(FIRST), rel=1e-9)
   plan = _plan()
   if path == "base_keras_file":
@@ -172,11 +223,11 @@ def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(tmp_path,
   assert ledger.steps == STEPS
   _assert_same(loaded.get_weights(), straight_weights)  # the same stream, step for step
   _assert_same_buffers(_buffers(loaded), straight_buffers)
-  np.testing.assert_array_equal(_buffers(loaded)["bandmf_position"],
+  np.testing.assert_array_equal(_buffers(loaded)[f"{_prefix()}_position"],
                                 [ledger.lineage, ledger.noise_generation, STEPS])
   report = plan.report(loaded)
   assert report.epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
-  assert any("BandMF" in note for note in report.notes)
+  assert any(_name() in note for note in report.notes)
 
 
 # --- the partition: one secret seed per run --------------------------------------------------
@@ -346,42 +397,45 @@ def test_a_plain_warm_start_mid_run_keeps_the_stream(tmp_path):
 
 
 # --- independent and correlated noise do not mix --------------------------------------------
-def _explicit(band_coefficients):
+def _explicit(correlated):
   """The explicit path: no owned plan, the optimizer's noise is the user's."""
   model = tf_dpnsgd.make_private(_build("functional"))
   model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
                                           noise_multiplier=SIGMA,
-                                          band_coefficients=band_coefficients), loss=LOSS)
+                                          **(_noise_kwargs() if correlated else {})), loss=LOSS)
   return model
+
+
+def _mechanism_name():
+  return "BLT noise" if _blt() else r"2-banded noise \(BandMF\)"
 
 
 def test_independent_noise_cannot_continue_a_correlated_model():
   """Before the fix the step ran (ledger noise_bands -> -1) and only the report refused."""
-  coefficients = list(cn.bandmf(STEPS, BANDS))
-  model = _explicit(coefficients)
+  model = _explicit(True)
   _fit(model, FIRST)
   model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
                                           noise_multiplier=SIGMA), loss=LOSS)
   before = model.get_weights()
   with pytest.raises(ledger_lib.LedgerMismatchError,
-                     match=r"2-banded noise \(BandMF\), but the optimizer adds independent"):
+                     match=_mechanism_name() + r".*, but the optimizer adds independent"):
     _fit(model, 1)
-  assert model.privacy_ledger.steps == FIRST and model.privacy_ledger.noise_bands == BANDS
+  assert model.privacy_ledger.steps == FIRST and model.privacy_ledger.noise_bands == _code()
   _assert_same(before, model.get_weights())
   assert _plan().report(model).epsilon == pytest.approx(_oracle_epsilon(FIRST), rel=1e-9)
 
 
 @pytest.mark.slow
 def test_correlated_noise_cannot_continue_an_independent_model():
-  model = _explicit(None)
+  model = _explicit(False)
   independent = _plan(bands=1)  # cyclic Poisson with b = 1: Poisson within one part
   _fit(model, FIRST, independent)
   model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
-                                          noise_multiplier=SIGMA,
-                                          band_coefficients=list(cn.bandmf(STEPS, BANDS))),
+                                          noise_multiplier=SIGMA, **_noise_kwargs()),
                 loss=LOSS)
   with pytest.raises(ledger_lib.LedgerMismatchError,
-                     match=r"independent noise \(b = 1\), but the optimizer adds 2-banded"):
+                     match=r"independent noise \(b = 1\), but the optimizer adds "
+                     + _mechanism_name()):
     _fit(model, 1, independent)
   with pytest.raises(ledger_lib.LedgerMismatchError):
     _fit(model, 1)  # the b = 2 plan's batches: another sampler, and the same refusal

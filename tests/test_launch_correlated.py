@@ -1,4 +1,5 @@
-"""Correlated noise from the launchers (issue 33): --noise=bandmf --bands=b.
+"""Correlated noise from the launchers (issue 33): --noise=bandmf --bands=b, and
+--noise=blt --bands=b --blt_buffers=d (accounted without amplification).
 
 Quick tier: the flags (refusals, the cyclic-Poisson default, --noise=independent unchanged),
 the plan and optimizer the launcher builds (epsilon against dp-accounting computed here,
@@ -78,8 +79,14 @@ def test_bandmf_samples_cyclic_poisson_with_its_bands():
     (["--noise=bandmf", "--bands=2", "--optimizer=dpsgd", "--target_unclipped_quantile=0.5"],
      "adaptive clipping"),
     (["--noise=bandmf", "--bands=2", "--distribution_strategy=mirrored"], "one replica"),
-    (["--noise=blt"], "no privacy accounting"),
-    (["--noise=blt", "--bands=2"], "no privacy accounting"),
+    (["--noise=blt"], "needs --bands=b with b >= 1"),
+    (["--noise=blt", "--bands=0"], "needs --bands=b with b >= 1"),
+    (["--blt_buffers=2"], "needs --noise=blt"),
+    (["--noise=bandmf", "--bands=2", "--blt_buffers=2"], "needs --noise=blt"),
+    (["--noise=blt", "--bands=2", "--blt_buffers=0"], "--blt_buffers must be >= 1"),
+    (["--noise=blt", "--bands=2", "--sampling=poisson"], "Drop --sampling"),
+    (["--noise=blt", "--bands=2", "--optimizer=sgd"], "trains without privacy"),
+    (["--noise=blt", "--bands=2", "--distribution_strategy=mirrored"], "one replica"),
 ])
 def test_inconsistent_noise_flags_are_flag_errors_that_say_what_to_do(args, message):
   from absl import flags
@@ -128,6 +135,39 @@ def test_optimizer_takes_the_strategy_of_the_plans_steps_bands_and_momentum(
   plan.check_optimizer(opt)
   # What make_private's own plan would hand the optimizer at compile: the same strategy.
   opt.take_plan_bands(plan.num_steps, plan.bands)
+
+
+def blt_oracle_epsilon(blt, steps, separation, sigma, delta):
+  """dp-accounting's RDP epsilon of ONE Gaussian mechanism whose sensitivity is found by
+  enumerating every participation pattern (steps ``separation`` apart) of the BLT's matrix."""
+  from tf_dpnsgd.correlated import strategy as st
+  sensitivity = st.sensitivity(blt.matrix(steps), None, separation=separation)
+  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
+  acc.compose(dp_accounting.GaussianDpEvent(sigma / sensitivity))
+  return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("optimizer,expected_momentum", [("dpsgd", 0.9), ("dpnadam", 0.0)])
+def test_blt_plan_and_optimizer_share_the_blt_of_the_plans_steps(optimizer, expected_momentum):
+  momentum = ["--momentum=0.9"] if optimizer == "dpsgd" else []
+  cfg = parse("--noise=blt", "--bands=3", "--blt_buffers=2", f"--optimizer={optimizer}",
+              "--noise_multiplier=2.0", "--batch_size=16", "--epochs=2", *momentum)
+  assert (cfg.sampling, cfg.hyperparameters()["blt_buffers"]) == ("cyclic_poisson", 2)
+  plan = common.make_plan(cfg, 96)
+  expected = tf_dpnsgd.correlated.blt.optimize_blt(plan.num_steps, 2, 3, expected_momentum)
+  assert (plan.sampling, plan.bands, plan.num_steps) == ("cyclic_poisson", 3, 12)
+  np.testing.assert_allclose(np.ravel(plan.blt), np.ravel(expected.parameters()), rtol=1e-9)
+  opt = common.make_optimizer(cfg, plan.training_noise_multiplier, plan.num_steps)
+  plan.check_optimizer(opt)  # the same BLT, bit for bit
+  assert opt.bands == expected.ledger_code
+  for steps in (1, 5, 12):
+    assert plan.epsilon(steps) == pytest.approx(
+        blt_oracle_epsilon(expected, steps, 3, 2.0, 1e-5), rel=1e-6)
+  target = common.make_plan(parse("--noise=blt", "--bands=3", "--batch_size=16", "--epochs=2",
+                                  "--target_epsilon=6"), 96)
+  got = blt_oracle_epsilon(tf_dpnsgd.correlated.blt.BLTStrategy(*target.blt), 12, 3,
+                           target.training_noise_multiplier, 1e-5)
+  assert 5.95 < got <= 6.0 * (1 + 2e-3)
 
 
 # --- the secret sampler seed of a resumable correlated run -----------------------------------
@@ -259,21 +299,26 @@ def _weights_and_buffers(model_dir):
       if isinstance(obj, h5py.Dataset) and "privacy_ledger" not in name:
         out[name] = np.asarray(obj)
     f.visititems(visit)
-  assert any("bandmf_w" in k or "optimizer" in k for k in out)
+  assert any("bandmf_w" in k or "blt_s" in k or "optimizer" in k for k in out)
   return out
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_uninterrupted_stream(tmp_path, monkeypatch):
+@pytest.mark.parametrize("noise", ["bandmf", "blt"])
+def test_a_resumed_run_continues_the_uninterrupted_stream(tmp_path, monkeypatch, noise):
   seen = []
   _fixed_seeds(monkeypatch, seen)
-  straight = _run(tmp_path / "straight", max_steps=6)
-  first = _run(tmp_path / "resumed", max_steps=3)
-  resumed = _run(tmp_path / "resumed", max_steps=6)
+  straight = _run(tmp_path / "straight", max_steps=6, noise=noise)
+  first = _run(tmp_path / "resumed", max_steps=3, noise=noise)
+  resumed = _run(tmp_path / "resumed", max_steps=6, noise=noise)
   assert seen == [None, None, SAMPLER_SEED]  # the resume read the kept seed back
   assert first.steps == 3 and resumed.steps == straight.steps == 6
-  assert resumed.epsilon == straight.epsilon == pytest.approx(
-      oracle_epsilon(64, 16, 1.0, 1e-5, 2, 6), rel=1e-9)
+  if noise == "blt":  # the plan's BLT: 2 buffers for the planned 8 steps, separation 2
+    blt = tf_dpnsgd.correlated.blt.optimize_blt(8, 2, 2, momentum=0.9)
+    expected = blt_oracle_epsilon(blt, 6, 2, 1.0, 1e-5)
+  else:
+    expected = oracle_epsilon(64, 16, 1.0, 1e-5, 2, 6)
+  assert resumed.epsilon == straight.epsilon == pytest.approx(expected, rel=1e-6)
   a, b = _weights_and_buffers(tmp_path / "straight"), _weights_and_buffers(tmp_path / "resumed")
   assert sorted(a) == sorted(b)
   floats = 0

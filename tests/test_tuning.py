@@ -230,6 +230,37 @@ def test_run_privacy_from_report():
     tuning.RunPrivacy.from_report({"private": False})
 
 
+def test_run_privacy_from_report_accounts_for_everything_the_runs_epsilon_does():
+  """Before the fix a BandMF run was re-accounted as Poisson at B/N over every step (about b
+  times too little RDP) and the releases of training-set statistics were left out."""
+  from tf_dpnsgd.correlated import blt as bl
+  from tf_dpnsgd.plan import PrivacyPlan
+  strategy = bl.optimize_blt(12, 2, 3)
+  plans = [
+      PrivacyPlan(dataset_size=60000, batch_size=256, sampling="cyclic_poisson", bands=4,
+                  steps=400, noise_multiplier=1.1, delta=DELTA),
+      PrivacyPlan(dataset_size=60, batch_size=5, sampling="cyclic_poisson", bands=3, steps=12,
+                  noise_multiplier=3.0, delta=DELTA, blt=strategy.parameters()),
+      PrivacyPlan(dataset_size=5000, batch_size=100, sampling="poisson", steps=50,
+                  noise_multiplier=2.0, delta=DELTA, releases=(8.0, 8.0))]
+  noises = ["bandmf", "blt", "independent"]
+  for plan, noise in zip(plans, noises):
+    report = {"private": True, "dataset_size": plan.dataset_size, "batch_size": plan.batch_size,
+              "sampling": plan.sampling, "noise_multiplier": plan.noise_multiplier,
+              "steps": plan.num_steps, "noise": noise, "bands": plan.bands,
+              "blt": [list(v) for v in plan.blt],
+              "hyperparameters": {"releases": list(plan.releases)}}
+    run = tuning.RunPrivacy.from_report(report)
+    # One run, no tuning: its epsilon is the run's own.
+    assert tuning.tuning_privacy([run], DELTA)["single_run"]["epsilon"] == pytest.approx(
+        plan.epsilon(), rel=1e-9), noise
+  with pytest.raises(tuning.TuningError, match="bands"):
+    tuning.RunPrivacy.from_report({**report, "sampling": "cyclic_poisson", "bands": None})
+  with pytest.raises(tuning.TuningError, match="blt"):
+    tuning.RunPrivacy.from_report({**report, "sampling": "cyclic_poisson", "bands": 3,
+                                   "noise": "blt", "blt": []})
+
+
 # ---------------------------------------------------------------------------
 # The chance of landing near the best.
 # ---------------------------------------------------------------------------

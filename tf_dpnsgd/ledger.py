@@ -227,20 +227,22 @@ _NEW_SEED_MESSAGES = {
 }
 
 
-BLT_BANDS = -2  # noise_bands of BLT noise (tf_dpnsgd.correlated.blt): no plan accounts for it
+BLT_BANDS = -2  # noise_bands <= -2: BLT noise, -2 - a hash of which (BLTStrategy.ledger_code)
 
 
 def noise_name(bands: int) -> str:
   """The mechanism a ``noise_bands`` code names (the ledger's entry, an optimizer's
   ``bands``), for messages.
 
-  >>> noise_name(1), noise_name(4), noise_name(BLT_BANDS), noise_name(-1)
-  ('independent noise (b = 1)', '4-banded noise (BandMF)', 'BLT noise', 'mixed noise')
+  >>> noise_name(1), noise_name(4), noise_name(-1)
+  ('independent noise (b = 1)', '4-banded noise (BandMF)', 'mixed noise')
+  >>> noise_name(BLT_BANDS - 5)
+  'BLT noise (parameters #5)'
   """
   if bands == 1:
     return "independent noise (b = 1)"
-  if bands == BLT_BANDS:
-    return "BLT noise"
+  if bands <= BLT_BANDS:
+    return f"BLT noise (parameters #{BLT_BANDS - bands})"
   if bands < 0:
     return "mixed noise"
   return f"{bands}-banded noise (BandMF)"
@@ -346,7 +348,7 @@ class PrivacyLedger(keras.layers.Layer):
   @property
   def noise_bands(self) -> int:
     """``b`` of the noise every step used (1: independent; -1: steps of different ``b``;
-    :data:`BLT_BANDS`: BLT noise), see :func:`noise_name`."""
+    ``<=`` :data:`BLT_BANDS`: BLT noise, which one), see :func:`noise_name`."""
     return int(self._vars["noise_bands"].numpy()) or 1  # 0: no step, or written before it
 
   @property

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd.correlated import blt as _blt
 from tf_dpnsgd.correlated import noise as _correlated
 from tf_dpnsgd import transforms
 
@@ -193,6 +194,27 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
       raise ValueError("The optimizer was built with independent noise; compile the model "
                        "with a new optimizer to take the plan's correlated noise.")
     self.band_noise = _correlated.banded_noise(coefficients, self.adaptive_clip)
+
+  def take_blt_parameters(self, blt) -> None:
+    """Sets the BLT from the model's privacy plan (``make_private(..., noise="blt")``); one
+    already given (or saved with the optimizer) must be exactly the plan's.
+
+    Raises:
+      ValueError: another BLT (or banded noise) was given, or the optimizer was already
+        built with independent noise.
+    """
+    strategy = _blt.BLTStrategy(*blt)
+    if self.band_noise is not None:
+      if getattr(self.band_noise, "bands", None) != strategy.ledger_code:
+        raise ValueError(
+            "The optimizer's noise differs from the model's privacy plan's BLT (optimized "
+            "for the plan's steps and separation): the correlated stream would not be the "
+            "accounted mechanism. Leave blt_parameters (and band_coefficients) unset.")
+      return
+    if self.built:
+      raise ValueError("The optimizer was built with independent noise; compile the model "
+                       "with a new optimizer to take the plan's correlated noise.")
+    self.band_noise = _correlated.blt_noise(strategy.parameters(), self.adaptive_clip)
 
   def take_plan_bands(self, num_steps: int, bands: int) -> None:
     """:meth:`take_band_coefficients` of the strategy optimized for a plan's ``num_steps``
@@ -491,8 +513,8 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
 
   @property
   def bands(self) -> int:
-    """``b`` of the correlated noise (1: independent noise; ``BLT_BANDS`` = -2 for BLT
-    noise), what the ledger records."""
+    """``b`` of the correlated noise (1: independent noise; a code ``<= -2`` naming the BLT
+    for BLT noise), what the ledger records."""
     return 1 if self.band_noise is None else self.band_noise.bands
 
   def get_config(self):

@@ -45,6 +45,7 @@ import tensorflow as tf
 from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import plan as plan_lib
+from tf_dpnsgd.correlated import blt as blt_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class PlanRequest:
   accountant: str = "rdp"
   dataset_size: Optional[int] = None
   bands: int = 1  # > 1: correlated noise (BandMF) with cyclic Poisson sampling
+  blt_buffers: int = 0  # > 0: BLT noise with this many buffers, separation `bands`
 
   def __post_init__(self):
     if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -71,49 +73,67 @@ class PlanRequest:
     if self.dataset_size is not None:
       self.resolve(self.dataset_size)  # validates everything now
 
-  def resolve(self, dataset_size: int, seed: Optional[int] = None) -> plan_lib.PrivacyPlan:
-    return plan_lib.PrivacyPlan(dataset_size=int(dataset_size), batch_size=self.batch_size,
-                                sampling=self.sampling, delta=self.delta, steps=self.steps,
-                                epochs=self.epochs, noise_multiplier=self.noise_multiplier,
-                                target_epsilon=self.target_epsilon, accountant=self.accountant,
-                                bands=self.bands, seed=seed)
+  def resolve(self, dataset_size: int, seed: Optional[int] = None,
+              momentum: float = 0.0) -> plan_lib.PrivacyPlan:
+    """The plan for ``dataset_size`` examples. BLT noise: the plan's BLT is optimized for its
+    steps, its separation and ``momentum`` (the optimizer's; the strategy decides accuracy,
+    the plan's accounting covers whichever it is)."""
+    fields = dict(dataset_size=int(dataset_size), batch_size=self.batch_size,
+                  sampling=self.sampling, delta=self.delta, steps=self.steps,
+                  epochs=self.epochs, accountant=self.accountant, bands=self.bands, seed=seed)
+    blt = ()
+    if self.blt_buffers:
+      steps = plan_lib.PrivacyPlan(noise_multiplier=1.0, **fields).num_steps
+      if steps < 2:
+        raise ValueError(f"noise='blt' needs a plan of at least 2 steps; this one has {steps}.")
+      blt = blt_lib.optimize_blt(steps, self.blt_buffers, self.bands, momentum).parameters()
+    return plan_lib.PrivacyPlan(noise_multiplier=self.noise_multiplier,
+                                target_epsilon=self.target_epsilon, blt=blt, **fields)
 
   def to_config(self) -> dict:
     return dataclasses.asdict(self)
 
 
-NOISE_MECHANISMS = ("independent", "bandmf")
+NOISE_MECHANISMS = ("independent", "bandmf", "blt")
 
 
-def noise_mechanism(noise, bands, sampling):
-  """``(sampling, bands)`` of ``make_private``'s ``noise=``/``bands=`` (None: unchanged).
+def noise_mechanism(noise, bands, sampling, blt_buffers=None):
+  """``(sampling, bands, blt_buffers)`` of ``make_private``'s ``noise=``/``bands=``/
+  ``blt_buffers=`` (None: unchanged).
 
   >>> noise_mechanism("bandmf", 4, None)
-  ('cyclic_poisson', 4)
+  ('cyclic_poisson', 4, None)
+  >>> noise_mechanism("blt", 4, None)
+  ('cyclic_poisson', 4, 2)
   >>> noise_mechanism(None, None, "poisson")
-  ('poisson', None)
+  ('poisson', None, None)
   """
   if noise is None or noise == "independent":
     if bands not in (None, 1):
-      raise ValueError(f"`bands={bands!r}` needs noise='bandmf' (correlated noise).")
-    return sampling, None
-  if noise == "blt":
-    raise ValueError(
-        "noise='blt': BLT noise has no privacy accounting in tf_dpnsgd yet (its columns overlap "
-        "at every distance, so cyclic Poisson amplification, Choquette-Choo et al. 2023 Thm. 4, "
-        "does not apply) and a private model reports only what it can account. Use "
-        "noise='bandmf', or for experiments without an epsilon the explicit path with "
-        "tf_dpnsgd.DPSGD(..., blt_parameters=[theta, omega]) "
-        "(tf_dpnsgd.correlated.blt.optimize_blt).")
-  if noise != "bandmf":
+      raise ValueError(f"`bands={bands!r}` needs noise='bandmf' or 'blt' (correlated noise).")
+    if blt_buffers is not None:
+      raise ValueError(f"`blt_buffers={blt_buffers!r}` needs noise='blt'.")
+    return sampling, None, None
+  if noise not in NOISE_MECHANISMS:
     raise ValueError(f"`noise` must be one of {NOISE_MECHANISMS}; got {noise!r}.")
-  if isinstance(bands, bool) or not isinstance(bands, int) or bands < 2:
-    raise ValueError(f"noise='bandmf' needs an int `bands` >= 2 (bands=1 is independent "
-                     f"noise); got {bands!r}.")
+  if noise == "bandmf" and blt_buffers is not None:
+    raise ValueError(f"`blt_buffers={blt_buffers!r}` needs noise='blt', not 'bandmf'.")
+  least = 2 if noise == "bandmf" else 1
+  if isinstance(bands, bool) or not isinstance(bands, int) or bands < least:
+    raise ValueError(
+        f"noise={noise!r} needs an int `bands` >= {least} ("
+        + ("bands=1 is independent noise" if noise == "bandmf" else
+           "the separation b of an example's steps: cyclic Poisson sampling over b parts")
+        + f"); got {bands!r}.")
   if sampling not in (None, "cyclic_poisson"):
-    raise ValueError(f"noise='bandmf' is analysed under cyclic Poisson sampling (each example "
+    raise ValueError(f"noise={noise!r} is analysed under cyclic Poisson sampling (each example "
                      f"at most once every `bands` steps); got sampling={sampling!r}.")
-  return "cyclic_poisson", bands
+  if noise == "bandmf":
+    return "cyclic_poisson", bands, None
+  buffers = 2 if blt_buffers is None else blt_buffers
+  if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+    raise ValueError(f"noise='blt' needs an int `blt_buffers` >= 1; got {blt_buffers!r}.")
+  return "cyclic_poisson", bands, buffers
 
 
 def request_of(plan=None, **keywords):
@@ -126,7 +146,8 @@ def request_of(plan=None, **keywords):
     if not isinstance(plan, plan_lib.PrivacyPlan):
       raise TypeError(f"`plan` must be a tf_dpnsgd.PrivacyPlan; got {plan!r}.")
     return plan
-  privacy = {k: v for k, v in given.items() if k not in ("sampling", "accountant", "bands")}
+  privacy = {k: v for k, v in given.items()
+             if k not in ("sampling", "accountant", "bands", "blt_buffers")}
   if not privacy:
     return None
   missing = [k for k in ("delta", "batch_size") if k not in given]

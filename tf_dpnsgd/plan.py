@@ -84,6 +84,10 @@ class PrivacyPlan:
       leaves less for training; the model's ledger records each release
       made, and a report refuses a ledger with a release the plan does not
       account for.
+    bands, blt: correlated noise under cyclic Poisson sampling (``b`` parts, each example
+      at most once every ``b`` steps): ``bands=b`` alone, ``b``-banded BandMF noise
+      (amplified); with ``blt=(theta, omega)``, that BLT's noise, accounted without
+      amplification (:mod:`tf_dpnsgd.correlated.blt`, ``docs/correlated_noise.md``).
   """
 
   dataset_size: int
@@ -103,6 +107,7 @@ class PrivacyPlan:
   calibration_tolerance: float = 1e-3
   releases: tuple = ()
   bands: int = 1  # sampling="cyclic_poisson": b parts, b-banded noise (tf_dpnsgd.correlated)
+  blt: tuple = ()  # (theta, omega): BLT noise, accounted without amplification
 
   def __post_init__(self):
     object.__setattr__(self, "releases", tuple(
@@ -126,6 +131,7 @@ class PrivacyPlan:
     if self.sampling not in ("poisson", "cyclic_poisson") and self.max_batch_size is not None:
       raise ValueError("`max_batch_size` applies to Poisson sampling only.")
     self.spec  # validates the sampling/accountant/bound/conversion combination
+    object.__setattr__(self, "blt", self.spec.blt)  # as tuples of floats (JSON gives lists)
     if self.num_steps == 0:
       raise ValueError("The plan has zero steps (floor(epochs * steps_per_epoch) = 0).")
     if self.noise_multiplier is not None:
@@ -140,7 +146,7 @@ class PrivacyPlan:
   def spec(self) -> accounting.AccountingSpec:
     return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
                                 self.accountant, self.bound, self.conversion,
-                                releases=self.releases, bands=self.bands)
+                                releases=self.releases, bands=self.bands, blt=self.blt)
 
   @functools.cached_property
   def steps_per_epoch(self) -> int:
@@ -244,7 +250,7 @@ class PrivacyPlan:
           f"sampler (sampling, N or B) than this plan's ({self.sampling}, "
           f"N={self.dataset_size}, B={self.batch_size}); report them with the plan that "
           "drew them.")
-    notes += correlated_lib.check_ledger_noise(ledger, self.bands)
+    notes += correlated_lib.check_ledger_noise(ledger, self.bands, self.spec.blt_strategy)
     sigma = self.training_noise_multiplier
     used = ledger.min_noise_multiplier
     if used < sigma * (1 - 1e-6):
@@ -288,7 +294,7 @@ class PrivacyPlan:
       return self.spec
     return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
                                 self.accountant, self.bound, self.conversion,
-                                releases=releases, bands=self.bands)
+                                releases=releases, bands=self.bands, blt=self.blt)
 
   def report(self, model=None) -> accounting.PrivacyReport:
     """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
@@ -495,7 +501,7 @@ class PrivacyPlan:
     if sigma is None:
       raise ValueError(f"{optimizer!r} is not a DP optimizer (no `noise_multiplier`).")
     expected = self.training_noise_multiplier
-    correlated_lib.check_optimizer_bands(optimizer, self.bands)
+    correlated_lib.check_optimizer_bands(optimizer, self.bands, self.spec.blt_strategy)
     if not math.isclose(float(sigma), expected, rel_tol=1e-9, abs_tol=0.0):
       raise ValueError(
           f"The optimizer's noise_multiplier ({float(sigma)!r}) differs from the plan's "
@@ -517,6 +523,7 @@ class PrivacyPlan:
     """
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["releases"] = list(self.releases)  # as JSON gives it back, so records compare equal
+    d["blt"] = [list(v) for v in self.spec.blt]
     return d
 
   def public_dict(self) -> dict:

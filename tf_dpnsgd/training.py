@@ -378,7 +378,7 @@ class _DPTrainer:
       if owned.dataset_size not in (None, dataset_size):
         raise ValueError(f"The model's privacy plan is for N = {owned.dataset_size} examples, "
                          f"but fit got {dataset_size}.")
-      self._dp_plan = owned.resolve(dataset_size)
+      self._dp_plan = owned.resolve(dataset_size, momentum=self._dp_workload_momentum())
     if self._dp_plan.dataset_size != dataset_size:
       raise ValueError(
           f"The model's privacy plan is for N = {self._dp_plan.dataset_size} examples, but "
@@ -386,11 +386,20 @@ class _DPTrainer:
     self._dp_give_plan_noise()
     return self._dp_plan
 
+  def _dp_workload_momentum(self) -> float:
+    """The momentum the optimizer applies its updates with (0 without one): the workload a
+    correlated-noise strategy is optimized for."""
+    inner = getattr(getattr(self, "optimizer", None), "inner_optimizer", None)
+    momentum = getattr(inner, "momentum", 0.0)
+    return float(momentum) if isinstance(momentum, (int, float)) else 0.0
+
   def _dp_give_plan_noise(self):
     if self._dp_plan is None or getattr(self, "optimizer", None) is None:
       return
     self.optimizer.take_noise_multiplier(self._dp_plan.training_noise_multiplier)
-    if self._dp_plan.bands > 1:  # correlated noise: the plan's banded strategy
+    if self._dp_plan.blt:  # correlated noise: the plan's BLT
+      self.optimizer.take_blt_parameters(self._dp_plan.blt)
+    elif self._dp_plan.bands > 1:  # correlated noise: the plan's banded strategy
       self.optimizer.take_plan_bands(self._dp_plan.num_steps, self._dp_plan.bands)
     self._dp_plan.check_optimizer(self.optimizer)
 
@@ -512,7 +521,8 @@ class _DPTrainer:
     self._dp_guard.probe_pending = True  # probe the next batch
     if self._dp_owned_plan is not None and self._dp_plan is None \
         and self._dp_owned_plan.dataset_size is not None:
-      self._dp_plan = self._dp_owned_plan.resolve(self._dp_owned_plan.dataset_size)
+      self._dp_plan = self._dp_owned_plan.resolve(self._dp_owned_plan.dataset_size,
+                                                   momentum=self._dp_workload_momentum())
     self._dp_give_plan_noise()
     if self.optimizer.noise_multiplier is None and self._dp_owned_plan is None:
       self.optimizer._require_noise_multiplier()  # raises: say where sigma comes from
@@ -870,7 +880,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
                  epochs=None, steps=None, sampling=None, accountant=None,
                  dataset_size=None, plan=None, keep_per_example_mib=None,
-                 length_key=None, noise=None, bands=None) -> keras.Model:
+                 length_key=None, noise=None, bands=None, blt_buffers=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -908,11 +918,14 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     keep_per_example_mib: the layer-wise engine's memory budget for held
       per-example tensors, which also decides ``"auto"``'s book-keeping or
       two passes (see :class:`DPModel`).
-    noise, bands: ``noise="bandmf", bands=b`` (b >= 2) trains with correlated noise
-      (banded matrix factorization, Choquette-Choo et al. 2023) under cyclic Poisson
-      sampling: the plan's strategy is optimized for its steps and the optimizer's
-      momentum and handed to the optimizer at ``compile`` (``docs/correlated_noise.md``);
-      default: independent noise.
+    noise, bands, blt_buffers: ``noise="bandmf", bands=b`` (b >= 2) trains with
+      correlated noise (banded matrix factorization, Choquette-Choo et al. 2023) under
+      cyclic Poisson sampling: the plan's strategy is optimized for its steps and the
+      optimizer's momentum and handed to the optimizer at ``compile``
+      (``docs/correlated_noise.md``). ``noise="blt", bands=b, blt_buffers=d`` (default 2):
+      BLT noise with ``d`` buffers under the same sampling (each example at most once every
+      ``b`` steps), accounted without amplification (the plan's ``blt``, optimized the same
+      way). Default: independent noise.
     length_key: text batches at their real length: the key of the padding mask
       in dict inputs (e.g. ``"padding_mask"`` of keras-hub encoders); with
       ``physical_batch_size``, each chunk is cut to its own longest row (the
@@ -938,11 +951,12 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
-  sampling, bands = owned_plan_lib.noise_mechanism(noise, bands, sampling)
+  sampling, bands, blt_buffers = owned_plan_lib.noise_mechanism(noise, bands, sampling,
+                                                                blt_buffers)
   owned = owned_plan_lib.request_of(
       plan, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, delta=delta,
       batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
-      accountant=accountant, dataset_size=dataset_size, bands=bands)
+      accountant=accountant, dataset_size=dataset_size, bands=bands, blt_buffers=blt_buffers)
   ledger = _ledger_for(model)
   _bind_ledger(model, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,

@@ -355,19 +355,29 @@ class RunPrivacy:
 
     A run accounted with the PLD accountant gets the RDP curve of the same
     event (the tuning bounds need RDP); the bound is then the same valid
-    analysis of the same mechanism, only via RDP.
+    analysis of the same mechanism, only via RDP. Everything the run's epsilon
+    depends on is read: correlated noise (``bands``, and ``blt``) and the releases of
+    training-set statistics before training (``releases``, or the hyperparameters').
     """
     if not report.get("private", True):
       raise TuningError("A non-private run (--optimizer=sgd) has no privacy guarantee: "
                         "there is no tuning epsilon.")
     missing = [k for k in ("dataset_size", "batch_size", "sampling", "noise_multiplier", "steps")
                if report.get(k) is None]
+    if report.get("sampling") == "cyclic_poisson" and report.get("bands") is None:
+      missing.append("bands")  # its accounting depends on b: never assume one
+    if report.get("noise") == "blt" and not report.get("blt"):
+      missing.append("blt")  # the BLT's parameters decide its sensitivity
     if missing:
       raise TuningError(f"The privacy report lacks {missing}.")
+    hyperparameters = report.get("hyperparameters") or {}
+    releases = report.get("releases", hyperparameters.get("releases")) or ()
     spec = accounting.make_spec(int(report["dataset_size"]), int(report["batch_size"]),
                                 report["sampling"], accountant="rdp",
                                 bound=report.get("bound") or "default",
-                                conversion=report.get("conversion") or "modern")
+                                conversion=report.get("conversion") or "modern",
+                                releases=tuple(releases), bands=int(report.get("bands") or 1),
+                                blt=report.get("blt") or ())
     return cls(spec, float(report["noise_multiplier"]), int(report["steps"]))
 
   @classmethod
@@ -377,7 +387,8 @@ class RunPrivacy:
 
 
 def run_rdp(run: RunPrivacy, cache: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
-  """The RDP curve of a whole run: per-composition curve times the number of compositions.
+  """The RDP curve of a whole run: per-composition curve times the number of compositions
+  (:meth:`~tf_dpnsgd.accounting.AccountingSpec.rdp_scale`), plus the run's releases.
 
   ``cache``: an optional dict memoising the per-composition curves by ``(spec, sigma)``.
   """
@@ -388,7 +399,10 @@ def run_rdp(run: RunPrivacy, cache: Optional[dict] = None) -> tuple[np.ndarray, 
     curve = accounting.rdp_curve(run.spec, run.noise_multiplier)
     if cache is not None:
       cache[key] = curve
-  return np.asarray(curve.orders, dtype=np.float64), curve.rdp * run.spec.compositions(run.steps)
+  orders = np.asarray(curve.orders, dtype=np.float64)
+  # The steps (0 steps: none; 0 * inf would be nan) and the releases before training.
+  steps = curve.rdp * run.spec.rdp_scale(run.steps) if run.steps else 0.0
+  return orders, steps + run.spec.release_rdp(orders)
 
 
 def default_distributions(mean_trials: float, etas: Sequence[float] = (0.0, 1.0),

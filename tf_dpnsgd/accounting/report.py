@@ -133,7 +133,8 @@ class StepAccountant:
   """Epsilon after any number of steps for one (spec, noise multiplier, delta).
 
   The RDP of one composition is computed once; ``T`` compositions have
-  ``T`` times that RDP (Mironov 2017 Prop. 1), so ``epsilon(steps)`` is a
+  ``T`` times that RDP (Mironov 2017 Prop. 1; BLT noise: ``s_T^2`` times, see
+  :meth:`AccountingSpec.rdp_scale`), so ``epsilon(steps)`` is a
   cheap conversion (callbacks call it every batch). PLD results are computed
   by dp-accounting per step count and cached.
   """
@@ -157,7 +158,8 @@ class StepAccountant:
       return float(accountant.get_epsilon(self.delta)), None, None
     curve = self._curve
     # k == 0 (releases only): 0 * inf would be nan at orders where one step is unbounded.
-    rdp = (k * curve.rdp if k else 0.0) + self.spec.release_rdp(curve.orders)
+    rdp = (self.spec.rdp_scale(steps) * curve.rdp if k else 0.0) + self.spec.release_rdp(
+        curve.orders)
     eps, order = CONVERTERS[self.spec.conversion](curve.orders, rdp, self.delta)
     source = None
     if order is not None and self.spec.bound == "min":

@@ -34,6 +34,17 @@ for that (google/differential-privacy issue #378):
 ``tests/test_accounting.py`` pins all three facts against closed forms, so an
 upgrade of dp-accounting that changes them fails loudly.
 
+BLT noise (``blt=(theta, omega)`` with ``sampling="cyclic_poisson"``, ``bands=b``: an
+example takes part only in steps ``b`` apart) is accounted WITHOUT amplification: the
+first ``T`` steps release ``C_T x + sigma S z`` (the optimizer applies ``C^{-1}`` of it,
+post-processing), one Gaussian mechanism whose sensitivity is ``S * s_T`` with
+``s_T = minsep_sensitivity(blt, T, b)`` (McMahan, Xu, Zhang 2024, Thm. 2; Gaussian
+noise with a lower-triangular ``C`` stays private under adaptively chosen inputs,
+Denisov et al. 2022). Its event is ``GaussianDpEvent(sigma / s_T)``; its RDP,
+``s_T^2`` times one unit-sensitivity Gaussian's (:meth:`AccountingSpec.rdp_scale`).
+Poisson sampling within a part only removes participations, which cannot raise the
+sensitivity of these non-negative coefficients.
+
 Shuffling (``model.fit``'s own order, or :class:`tf_dpnsgd.sampling.ShuffleSampler`)
 has no proven amplification. We report the bound without amplification: with
 the permutation independent of the data, replacing one example changes the
@@ -129,10 +140,12 @@ class AccountingSpec:
   orders: Optional[tuple] = None
   releases: tuple = ()
   bands: int = 1  # cyclic_poisson: b parts, b-banded correlated noise (docs/correlated_noise.md)
+  blt: tuple = ()  # (theta, omega): BLT noise, b-min-separation, no amplification
 
   def __post_init__(self):
     validate_dataset_and_batch(self.dataset_size, self.batch_size)
     _validate_bands(self.sampling, self.bands, self.dataset_size, self.batch_size)
+    object.__setattr__(self, "blt", _validate_blt(self.blt, self.sampling, self.bound))
     _validate_choice("sampling", self.sampling, SAMPLINGS)
     _validate_choice("accountant", self.accountant, ACCOUNTANTS)
     _validate_choice("bound", self.bound, BOUNDS)
@@ -193,6 +206,26 @@ class AccountingSpec:
       return self.orders
     return WOR_ORDERS if self.sampling == "uniform" else DEFAULT_ORDERS
 
+  @property
+  def blt_strategy(self):
+    """The :class:`~tf_dpnsgd.correlated.blt.BLTStrategy` of :attr:`blt`, or None."""
+    return _blt_strategy(self.blt) if self.blt else None
+
+  def blt_sensitivity(self, steps: int) -> float:
+    """``s_T``: the sensitivity of the first ``steps`` steps of the BLT mechanism per unit
+    of per-example bound (participations ``bands`` apart; see the module docstring)."""
+    from tf_dpnsgd.correlated import blt as blt_lib  # pylint: disable=import-outside-toplevel
+    steps = validate_steps(steps)
+    return blt_lib.minsep_sensitivity(self.blt_strategy, steps, self.bands) if steps else 0.0
+
+  def rdp_scale(self, steps: int) -> float:
+    """The RDP of ``steps`` steps over the RDP of one :meth:`event`: the number of
+    compositions, or ``s_T^2`` for BLT noise (one Gaussian mechanism of sensitivity
+    ``s_T``; its RDP ``alpha s_T^2 / (2 sigma^2)`` is ``s_T^2`` times a unit one's)."""
+    if self.blt:
+      return self.blt_sensitivity(steps) ** 2
+    return self.compositions(steps)
+
   def compositions(self, steps: int) -> int:
     """How many times the per-composition event is composed for ``steps`` steps.
 
@@ -219,9 +252,12 @@ class AccountingSpec:
     return sigma
 
   def event(self, noise_multiplier: float) -> dp_accounting.DpEvent:
-    """The dp-accounting event of ONE composition (a step; an epoch for shuffling)."""
+    """The dp-accounting event of ONE composition (a step; an epoch for shuffling; for BLT
+    noise, the Gaussian mechanism of sensitivity 1, see :meth:`rdp_scale`)."""
     m = self.accountant_noise_multiplier(noise_multiplier)
     gaussian = dp_accounting.GaussianDpEvent(m)
+    if self.blt:
+      return gaussian
     if self.sampling in ("poisson", "cyclic_poisson"):
       return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
     if self.sampling == "uniform":
@@ -243,8 +279,14 @@ class AccountingSpec:
 
   def composed_event(self, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
     """The event of a whole run of ``steps`` steps (after the :attr:`releases`, if any)."""
-    run = dp_accounting.SelfComposedDpEvent(self.event(noise_multiplier),
-                                            self.compositions(steps))
+    if self.blt:  # one Gaussian mechanism of sensitivity s_T (0 steps: nothing released)
+      sensitivity = self.blt_sensitivity(steps)
+      run = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(
+          self.accountant_noise_multiplier(noise_multiplier) / (sensitivity or 1.0)),
+                                              1 if steps else 0)
+    else:
+      run = dp_accounting.SelfComposedDpEvent(self.event(noise_multiplier),
+                                              self.compositions(steps))
     if not self.releases:
       return run
     steps_events = [run] if self.compositions(steps) else []  # PLD refuses a 0-fold event
@@ -271,9 +313,14 @@ class AccountingSpec:
         "cyclic_poisson": f"Cyclic Poisson sampling (b-min-separation, b = {self.bands}): a "
                           "secret permutation splits the data into b parts; step t includes "
                           "each example of part t mod b w.p. q_b = bB/N = "
-                          f"{self.sampling_rate:.6g}; with b-banded correlated noise of "
-                          "sensitivity 1 per participation, accounted as DP-SGD at q_b over "
-                          "ceil(steps / b) steps (Choquette-Choo et al. 2023, Thm. 4).",
+                          f"{self.sampling_rate:.6g}; " + (
+                              "with BLT correlated noise, accounted WITHOUT amplification as "
+                              "one Gaussian mechanism of sensitivity s_T = "
+                              "minsep_sensitivity(BLT, T, b) (McMahan, Xu, Zhang 2024, Thm. 2)."
+                              if self.blt else
+                              "with b-banded correlated noise of sensitivity 1 per "
+                              "participation, accounted as DP-SGD at q_b over ceil(steps / b) "
+                              "steps (Choquette-Choo et al. 2023, Thm. 4)."),
         "shuffle": f"Each epoch is a random permutation cut into {self.steps_per_epoch} "
                    "disjoint batches (each example at most once per epoch). NO amplification "
                    "by subsampling is proven for shuffling, so none is claimed: every epoch is "
@@ -329,12 +376,37 @@ def _validate_bands(sampling, bands, dataset_size, batch_size) -> None:
                           f"got b={bands}, B={batch_size}, N={dataset_size}.")
 
 
+def _blt_strategy(blt):
+  from tf_dpnsgd.correlated import blt as blt_lib  # pylint: disable=import-outside-toplevel
+  return blt_lib.BLTStrategy(*blt)
+
+
+def _validate_blt(blt, sampling, bound) -> tuple:
+  """``()`` or ``((theta...), (omega...))`` as floats (JSON gives lists); raises unless a
+  valid BLT (non-negative, non-increasing coefficients) under cyclic Poisson sampling."""
+  if blt is None or (not isinstance(blt, str) and len(blt) == 0):
+    return ()
+  if isinstance(blt, str) or len(blt) != 2:
+    raise AccountingError(f"`blt` must be (theta, omega) of a BLT; got {blt!r}.")
+  try:
+    strategy = _blt_strategy(blt)
+  except ValueError as e:
+    raise AccountingError(f"`blt`: {e}") from e
+  if sampling != "cyclic_poisson":
+    raise UnsupportedAccountingError(
+        f"blt= (BLT noise) is accounted only with sampling='cyclic_poisson' (each example at "
+        f"most once every `bands` steps); got sampling={sampling!r}.")
+  if bound != "default":
+    raise UnsupportedAccountingError("blt= is accounted with bound='default' only.")
+  return (strategy.theta, strategy.omega)
+
+
 def make_spec(dataset_size, batch_size, sampling, accountant="rdp", bound="default",
-              conversion="modern", orders=None, releases=(), bands=1) -> AccountingSpec:
+              conversion="modern", orders=None, releases=(), bands=1, blt=()) -> AccountingSpec:
   return AccountingSpec(dataset_size=dataset_size, batch_size=batch_size, sampling=sampling,
                         accountant=accountant, bound=bound, conversion=conversion,
                         orders=None if orders is None else tuple(orders),
-                        releases=tuple(releases), bands=bands)
+                        releases=tuple(releases), bands=bands, blt=blt)
 
 
 __all__ = ["ACCOUNTANTS", "AccountingSpec", "BOUNDS", "CONVERSIONS", "DEFAULT_ORDERS",

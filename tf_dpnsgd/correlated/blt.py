@@ -22,8 +22,13 @@ at most ``k`` of them in ``n`` steps, the worst case is participating at steps
 ``0, b, 2b, ..., (k-1) b`` (McMahan, Xu, Zhang 2024, Thm. 2):
 :func:`minsep_sensitivity` (checked against brute-force enumeration in the tests).
 Unlike a ``b``-banded strategy, the columns of a BLT overlap at every distance, so the
-amplification of Choquette-Choo et al. (2023, Thm. 4) does not apply: no privacy plan
-accounts for BLT noise yet (the ledger records it, and every report refuses it).
+amplification of Choquette-Choo et al. (2023, Thm. 4) does not apply. A plan accounts for
+BLT noise WITHOUT amplification (``PrivacyPlan(..., sampling="cyclic_poisson", bands=b,
+blt=(theta, omega))``, :class:`tf_dpnsgd.accounting.AccountingSpec`): the first ``t`` noised
+steps are one Gaussian mechanism ``C_t x + sigma S z`` whose sensitivity is
+``S * minsep_sensitivity(blt, t, b)``, so their epsilon is that of
+``GaussianDpEvent(sigma / minsep_sensitivity(blt, t, b))``. The ledger records which BLT
+ran (:attr:`BLTStrategy.ledger_code`), so a plan with other parameters refuses it.
 
 Objective. The noise on ``C x`` has std ``sigma * sens(C)``, so a strategy is judged by
 ``sens(C)^2 ||A C^{-1}||_F^2`` (:func:`loss`), ``A`` the SGD (or momentum) workload of
@@ -40,6 +45,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -80,6 +86,21 @@ class BLTStrategy:
   @property
   def buffers(self) -> int:
     return len(self.theta)
+
+  @property
+  def ledger_code(self) -> int:
+    """What the ledger records for steps of this BLT's noise (``noise_bands``): ``-2 - h``,
+    ``h`` a 48-bit hash of the exact parameters (``<= -2``; ``-1`` means mixed noise).
+
+    >>> BLTStrategy((0.5,), (0.5,)).ledger_code < -1
+    True
+    """
+    digest = hashlib.sha256(repr((self.theta, self.omega)).encode()).digest()
+    return -2 - int.from_bytes(digest[:6], "little")
+
+  def parameters(self) -> list:
+    """``[theta, omega]`` as lists (``blt_parameters=`` of the optimizers, JSON-ready)."""
+    return [list(self.theta), list(self.omega)]
 
   def coefficients(self, n: int) -> np.ndarray:
     """``(c_0, ..., c_{n-1})``.

@@ -1,6 +1,7 @@
 """Correlated noise in the train step: ``w = C^{-1} z`` for a banded Toeplitz ``C``
-(:class:`BandedNoise`) or a BLT (:class:`BLTNoise`, :func:`blt_step`; no plan accounts
-for it yet: the ledger records it as ``BLT_BANDS`` and every report refuses it).
+(:class:`BandedNoise`) or a BLT (:class:`BLTNoise`, :func:`blt_step`; the ledger records
+which BLT, :attr:`tf_dpnsgd.correlated.blt.BLTStrategy.ledger_code`, accounted without
+amplification by a plan with the same ``blt=``).
 
 The optimizer applies ``(sum_t + sigma S w_t) / D`` instead of
 ``(sum_t + sigma S z_t) / D``, with ``z_t`` the i.i.d. ``N(0, I)`` draw of
@@ -219,7 +220,7 @@ class BandedNoise(_StreamNoise):
     return w, ([w] + state[:-1]) if state else []
 
 
-BLT_BANDS = ledger_lib.BLT_BANDS  # what the ledger records for BLT noise
+BLT_BANDS = ledger_lib.BLT_BANDS  # the ledger records BLT noise as a code <= BLT_BANDS
 noise_name = ledger_lib.noise_name
 
 
@@ -228,11 +229,16 @@ class BLTNoise(_StreamNoise):
   ``s_{i,t}`` (:func:`blt_step`), whatever the number of steps."""
 
   _prefix = "blt"
-  bands = BLT_BANDS
 
   def __init__(self, theta, omega):
     super().__init__()
     self.strategy = blt_lib.BLTStrategy(tuple(theta), tuple(omega))
+
+  @property
+  def bands(self) -> int:
+    """What the ledger records: the BLT's
+    :attr:`~tf_dpnsgd.correlated.blt.BLTStrategy.ledger_code`."""
+    return self.strategy.ledger_code
 
   def _state_count(self) -> int:
     return self.strategy.buffers

@@ -119,15 +119,28 @@ def make_sampler(sampling: str, dataset_size: int, batch_size: int,
                               **kwargs)
 
 
-def check_optimizer_bands(optimizer, bands: int) -> None:
-  """Raises ``ValueError`` unless ``optimizer``'s noise has the plan's ``b`` (1: independent)."""
+def check_optimizer_bands(optimizer, bands: int, blt=None) -> None:
+  """Raises ``ValueError`` unless ``optimizer``'s noise is the plan's: ``b``-banded (1:
+  independent), or exactly the plan's BLT (``blt``, a
+  :class:`~tf_dpnsgd.correlated.blt.BLTStrategy`, or None)."""
   used = getattr(optimizer, "bands", 1)
-  if used == ledger_lib.BLT_BANDS:
+  if blt is not None:
+    if used != blt.ledger_code:
+      raise ValueError(
+          f"The plan accounts for BLT noise with theta={blt.theta}, omega={blt.omega}, but the "
+          f"optimizer adds {ledger_lib.noise_name(used)}: the epsilon (the sensitivity of "
+          "that BLT) would not describe it. Leave blt_parameters unset on the optimizer (a "
+          "private model's plan hands its BLT over at compile), or give "
+          "blt_parameters=[list(theta), list(omega)] of plan.blt.")
+    return
+  if used <= ledger_lib.BLT_BANDS:
     raise ValueError(
-        "The optimizer adds BLT noise (blt_parameters), which no privacy plan accounts for yet: "
-        "a BLT's columns overlap at every distance, so the amplification of cyclic Poisson "
-        "sampling (Choquette-Choo et al. 2023, Thm. 4) does not apply. Use band_coefficients "
-        "(BandMF) or independent noise for a reported epsilon.")
+        "The optimizer adds BLT noise (blt_parameters), but the plan accounts for "
+        f"{ledger_lib.noise_name(bands)}: a BLT's columns overlap at every distance, so the "
+        "amplification of cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm. 4) does "
+        "not apply. Use a plan with sampling='cyclic_poisson', bands=b and blt=(theta, omega) "
+        "(accounted without amplification; make_private(..., noise='blt')), or "
+        "band_coefficients (BandMF) or independent noise.")
   if used != bands:
     raise ValueError(
         f"The optimizer adds noise with b = {used} bands but the plan accounts for b = {bands} "
@@ -136,20 +149,28 @@ def check_optimizer_bands(optimizer, bands: int) -> None:
         "and bands equal to the optimizer's.")
 
 
-def check_ledger_noise(ledger, bands: int) -> list:
+def check_ledger_noise(ledger, bands: int, blt=None) -> list:
   """Raises :class:`~tf_dpnsgd.ledger.LedgerMismatchError` unless every step in ``ledger``
-  used noise of the plan's ``b``; returns notes for the report."""
+  used the plan's noise (``b`` bands, or the BLT ``blt``); returns notes for the report."""
   recorded = ledger.noise_bands
-  if recorded != bands:
+  expected = bands if blt is None else blt.ledger_code
+  if recorded != expected:
     raise ledger_lib.LedgerMismatchError(
         f"The model's privacy ledger holds steps of {ledger_lib.noise_name(recorded)}, but "
-        f"this plan accounts for b = {bands}: correlated and independent noise (or two "
-        "bands) cannot be mixed in one model's history.")
-  if bands == 1:
+        f"this plan accounts for {ledger_lib.noise_name(expected)}: correlated and "
+        "independent noise (or two strategies) cannot be mixed in one model's history, and "
+        "the plan's epsilon is for its own strategy only.")
+  if bands == 1 and blt is None:
     return []
-  notes = [f"Correlated noise: a {bands}-banded matrix factorization (BandMF) with cyclic "
-           "Poisson sampling, accounted as DP-SGD over ceil(steps / b) steps "
-           "(Choquette-Choo et al. 2023, Thm. 4)."]
+  if blt is None:
+    notes = [f"Correlated noise: a {bands}-banded matrix factorization (BandMF) with cyclic "
+             "Poisson sampling, accounted as DP-SGD over ceil(steps / b) steps "
+             "(Choquette-Choo et al. 2023, Thm. 4)."]
+  else:
+    notes = [f"Correlated noise: a BLT with {blt.buffers} buffer(s) (theta={blt.theta}, "
+             f"omega={blt.omega}) under cyclic Poisson sampling with separation b = {bands}, "
+             "accounted WITHOUT amplification: the steps so far are one Gaussian mechanism of "
+             "sensitivity minsep_sensitivity(BLT, steps, b) (McMahan, Xu, Zhang 2024, Thm. 2)."]
   if ledger.noise_generation:
     notes.append(f"The ledger was rolled back {ledger.noise_generation} time(s); the "
                  "correlated stream refuses to continue after a rollback (the guard refuses "

@@ -62,6 +62,7 @@ import tf_dpnsgd
 from tf_dpnsgd import distribution
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd.correlated import blt as blt_lib
 from tf_dpnsgd import runner
 from tf_dpnsgd import schedules
 from tf_dpnsgd.launch import logs
@@ -74,14 +75,30 @@ from tf_dpnsgd.launch.validation import (  # noqa: F401 (re-exported: the launch
     LaunchError, check_bands_fit, non_private_message, resolve_privacy)
 
 
+def _workload_momentum(cfg) -> float:
+  """``--momentum`` for DP-SGD / DP-NSGD, 0 for DP-Adam / DP-NAdam (as ``make_private``)."""
+  return cfg.momentum if cfg.optimizer in ("dpsgd", "dpnsgd") else 0.0
+
+
 def band_coefficients(cfg, num_steps: int):
-  """The optimizer's ``band_coefficients`` (``None``: independent noise): the ``b``-banded
-  strategy optimized for ``num_steps`` steps and the optimizer's momentum (``--momentum`` for
-  DP-SGD / DP-NSGD, 0 for DP-Adam / DP-NAdam, as ``make_private(noise="bandmf")`` does)."""
+  """The optimizer's ``band_coefficients`` (``None``: not BandMF): the ``b``-banded
+  strategy optimized for ``num_steps`` steps and the optimizer's momentum."""
   if cfg.noise != "bandmf":
     return None
-  momentum = cfg.momentum if cfg.optimizer in ("dpsgd", "dpnsgd") else 0.0
-  return tf_dpnsgd.correlated.noise.bandmf(int(num_steps), int(cfg.bands), momentum=momentum)
+  return tf_dpnsgd.correlated.noise.bandmf(int(num_steps), int(cfg.bands),
+                                           momentum=_workload_momentum(cfg))
+
+
+def blt_parameters(cfg, num_steps: int):
+  """The plan's and the optimizer's BLT ``[theta, omega]`` (``None``: not BLT): the
+  ``--blt_buffers`` BLT optimized for ``num_steps`` steps, separation ``--bands`` and the
+  optimizer's momentum (deterministic: the plan and the optimizer get the same floats, and
+  the plan refuses an optimizer whose BLT differs)."""
+  if cfg.noise != "blt":
+    return None
+  return blt_lib.optimize_blt(
+      int(num_steps), int(cfg.blt_buffers or 2), int(cfg.bands),
+      momentum=_workload_momentum(cfg)).parameters()
 
 
 
@@ -118,8 +135,9 @@ class ExperimentConfig:
   verbose: int = 2
   distribution_strategy: str = "none"
   tpu: Optional[str] = None
-  noise: str = "independent"  # or "bandmf" (with bands >= 2 and sampling="cyclic_poisson")
+  noise: str = "independent"  # or "bandmf" / "blt" (with bands and sampling="cyclic_poisson")
   bands: Optional[int] = None
+  blt_buffers: Optional[int] = None  # --noise=blt: buffers of the BLT (None: 2)
   releases: tuple = ()  # noise multipliers of pre-training releases (tf_dpnsgd.private_stats)
 
   def __post_init__(self):
@@ -197,12 +215,16 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
   flags.DEFINE_enum("noise", d["noise"], NOISES,
                     "DP noise: independent (DP-SGD's fresh Gaussian each step) | bandmf (banded "
                     "matrix-factorization noise, correlated across --bands steps, under cyclic "
-                    "Poisson sampling; docs/correlated_noise.md) | blt (refused: no accounting).",
+                    "Poisson sampling; docs/correlated_noise.md) | blt (buffered linear Toeplitz "
+                    "noise under the same sampling, accounted without amplification).",
                     **kw)
   flags.DEFINE_integer("bands", d["bands"],
-                       "--noise=bandmf: the number of bands b >= 2 (b * batch_size <= N, "
-                       "b <= steps); the strategy is optimized for the planned steps, b and "
-                       "--momentum. Only with --noise=bandmf.", **kw)
+                       "--noise=bandmf: the number of bands b >= 2; --noise=blt: the separation "
+                       "b >= 1 of an example's steps (b * batch_size <= N, b <= steps); the "
+                       "strategy is optimized for the planned steps, b and --momentum.", **kw)
+  flags.DEFINE_integer("blt_buffers", d["blt_buffers"],
+                       "--noise=blt: the BLT's number of buffers d >= 1 (default 2; each is a "
+                       "model-sized optimizer variable).", **kw)
   flags.DEFINE_enum("accountant", d["accountant"], ("rdp", "pld"), "dp-accounting accountant.",
                     **kw)
   flags.DEFINE_enum("bound", d["bound"], ("default", "paper", "min"),
@@ -284,8 +306,8 @@ def adapt_unset_flags(values: dict, set_by_user) -> dict:
   ``--sampling`` stays an error). Returns a new dict; ``values`` is not modified.
   """
   out = dict(values)
-  if out.get("noise") == "bandmf" and "sampling" not in set_by_user:
-    out["sampling"] = "cyclic_poisson"  # the sampling BandMF is accounted under
+  if out.get("noise") in ("bandmf", "blt") and "sampling" not in set_by_user:
+    out["sampling"] = "cyclic_poisson"  # the sampling BandMF and BLT are accounted under
   physical, batch = out.get("physical_batch_size"), out.get("batch_size")
   if ("physical_batch_size" not in set_by_user and physical is not None and batch is not None
       and batch >= 1 and physical > batch):
@@ -344,6 +366,9 @@ def make_optimizer(cfg: ExperimentConfig, noise_multiplier: Optional[float], tot
   bands = band_coefficients(cfg, total_steps)
   if bands is not None:
     private["band_coefficients"] = bands
+  blt = blt_parameters(cfg, total_steps)
+  if blt is not None:
+    private["blt_parameters"] = blt
   if cfg.optimizer == "dpnsgd":
     return tf_dpnsgd.DPNSGD(regularizer=cfg.regularizer, momentum=cfg.momentum, **private)
   adaptive = {n: getattr(cfg, n) for n in ADAPTIVE_FLAGS}
@@ -370,7 +395,7 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
                       f"({dataset_size} examples).")
   if not cfg.private:
     return None
-  bands = {"bands": cfg.bands} if cfg.noise == "bandmf" else {}
+  bands = {"bands": cfg.bands} if cfg.noise in ("bandmf", "blt") else {}
   try:
     if bands:
       check_bands_fit(cfg.bands, cfg.batch_size, dataset_size)
@@ -382,6 +407,8 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
                        releases=cfg.releases, **bands)
     if bands:
       check_bands_fit(cfg.bands, cfg.batch_size, dataset_size, plan.num_steps)
+    if cfg.noise == "blt":  # the BLT for the plan's steps (calibration then includes it)
+      plan = dataclasses.replace(plan, blt=blt_parameters(cfg, plan.num_steps))
     return plan
   except ValueError as e:
     raise LaunchError(str(e)) from None
@@ -516,6 +543,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
          "extra": dict(extra_report or {})}
   if plan:  # the noise mechanism the epsilon is for (the plan's bands: 1 = independent)
     run["extra"].update(noise=cfg.noise, bands=plan.bands)
+    if plan.blt:
+      run["extra"].update(blt=[list(v) for v in plan.blt])
   if after_training is not None:
     run["extra"].update(after_training(model, plan, run["final_metrics"]))
   if plan:

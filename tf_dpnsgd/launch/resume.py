@@ -215,7 +215,7 @@ def sampler_seed_to_resume(model_dir: Optional[str], sampling: str,
   seed = read_sampler_seed(model_dir)
   if seed is None:
     raise ResumeError(
-        f"--model_dir={model_dir} holds a checkpoint of a correlated-noise (--noise=bandmf) "
+        f"--model_dir={model_dir} holds a checkpoint of a correlated-noise (--noise=bandmf or blt) "
         f"run but not its sampler seed ({SEED_FILE}): the run can continue only on the "
         "cyclic-Poisson partition of its first steps, and a new seed would be a new "
         f"partition that the accounting does not cover. {NEW_DIR}")

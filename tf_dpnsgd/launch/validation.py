@@ -13,8 +13,8 @@ from typing import Optional
 
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd", "adam")
 NON_PRIVATE = ("sgd", "adam")  # the baselines: no noise, no plan, no epsilon
-SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisson: --noise=bandmf
-NOISES = ("independent", "bandmf", "blt")  # blt: refused (no accounting), listed for its message
+SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisson: bandmf, blt
+NOISES = ("independent", "bandmf", "blt")
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 
@@ -38,50 +38,56 @@ def _check_enums(d):
 
 
 def _check_noise(d):
-  """The noise mechanism (``--noise``, ``--bands``) against the flags it constrains.
+  """The noise mechanism (``--noise``, ``--bands``, ``--blt_buffers``) against the flags it
+  constrains.
 
   ``--noise=bandmf --bands=b`` (b >= 2) is banded matrix-factorization noise, accounted under
   cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm. 4; docs/correlated_noise.md).
+  ``--noise=blt --bands=b [--blt_buffers=d]`` (b >= 1) is BLT noise under the same sampling
+  (each example at most once every ``b`` steps), accounted without amplification.
   ``b`` against the data (``b B <= N``, ``b <= steps``) is checked with the plan
   (:func:`check_bands_fit`).
   """
   noise, bands, sampling = d.get("noise", "independent"), d.get("bands"), d["sampling"]
-  if noise == "blt":
-    raise ValueError(
-        "--noise=blt: BLT noise has no privacy accounting in tf_dpnsgd (its columns overlap at "
-        "every distance, so cyclic Poisson amplification does not apply) and a launcher "
-        "reports an epsilon. Use --noise=bandmf --bands=b, or BLT on the explicit path "
-        "(docs/correlated_noise.md) for experiments without an epsilon.")
+  buffers = d.get("blt_buffers")
   if noise not in NOISES:
-    raise ValueError(f"--noise must be independent or bandmf; got {noise!r}.")
+    raise ValueError(f"--noise must be one of {', '.join(NOISES)}; got {noise!r}.")
+  if buffers is not None and noise != "blt":
+    raise ValueError(f"--blt_buffers={buffers} needs --noise=blt (BLT noise).")
   if noise == "independent":
     if bands is not None:
-      raise ValueError(f"--bands={bands} needs --noise=bandmf (correlated noise); drop --bands "
-                       "for independent noise.")
+      raise ValueError(f"--bands={bands} needs --noise=bandmf or --noise=blt (correlated "
+                       "noise); drop --bands for independent noise.")
     if sampling == "cyclic_poisson":
       raise ValueError("--sampling=cyclic_poisson goes with correlated noise: give "
-                       "--noise=bandmf --bands=b, or another --sampling.")
+                       "--noise=bandmf --bands=b (or --noise=blt), or another --sampling.")
     return
-  if bands is None or bands < 2:
+  if noise == "bandmf" and (bands is None or bands < 2):
     raise ValueError(f"--noise=bandmf needs --bands=b with b >= 2 (the number of bands of the "
                      f"noise; b=1 is independent noise: use --noise=independent); got "
                      f"--bands={bands}.")
+  if noise == "blt" and (bands is None or bands < 1):
+    raise ValueError(f"--noise=blt needs --bands=b with b >= 1 (the separation of an "
+                     f"example's steps: cyclic Poisson sampling over b parts); got "
+                     f"--bands={bands}.")
+  if buffers is not None and buffers < 1:
+    raise ValueError(f"--blt_buffers must be >= 1; got {buffers}.")
   if sampling != "cyclic_poisson":
-    raise ValueError(f"--noise=bandmf is accounted under cyclic Poisson sampling (each example "
+    raise ValueError(f"--noise={noise} is accounted under cyclic Poisson sampling (each example "
                      f"at most once every b steps); got --sampling={sampling}. Drop --sampling "
-                     "(--noise=bandmf sets --sampling=cyclic_poisson).")
+                     f"(--noise={noise} sets --sampling=cyclic_poisson).")
   if d["optimizer"] in NON_PRIVATE:
-    raise ValueError(f"--noise=bandmf is DP noise; --optimizer={d['optimizer']} trains without "
+    raise ValueError(f"--noise={noise} is DP noise; --optimizer={d['optimizer']} trains without "
                      "privacy. Drop --noise/--bands, or choose a DP optimizer.")
   adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
   if adaptive:
-    raise ValueError(f"--noise=bandmf cannot use adaptive clipping (--{adaptive[0]}): its noise "
-                     "std changes every step, which the banded analysis does not cover. Use a "
-                     "fixed --l2_norm_clip, or --noise=independent.")
+    raise ValueError(f"--noise={noise} cannot use adaptive clipping (--{adaptive[0]}): its noise "
+                     "std changes every step, which the correlated analysis does not cover. Use "
+                     "a fixed --l2_norm_clip, or --noise=independent.")
   if d.get("distribution_strategy", "none") != "none":
-    raise ValueError("--noise=bandmf runs on one replica (correlated noise across tf.distribute "
-                     "replicas is not implemented): use --distribution_strategy=none, or "
-                     "--noise=independent.")
+    raise ValueError(f"--noise={noise} runs on one replica (correlated noise across "
+                     "tf.distribute replicas is not implemented): use "
+                     "--distribution_strategy=none, or --noise=independent.")
 
 
 def check_bands_fit(bands: int, batch_size: int, dataset_size: int,
@@ -195,8 +201,8 @@ CHECKS = (
     (("epochs",), _check_epochs),
     (("batch_size", "physical_batch_size"), _check_batch_sizes),
     (("distribution_strategy", "tpu"), _check_strategy),
-    (("noise", "bands", "sampling", "optimizer", "distribution_strategy") + ADAPTIVE_FLAGS,
-     _check_noise),
+    (("noise", "bands", "blt_buffers", "sampling", "optimizer", "distribution_strategy")
+     + ADAPTIVE_FLAGS, _check_noise),
 )
 
 

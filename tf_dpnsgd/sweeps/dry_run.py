@@ -47,9 +47,13 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell], configure: Callable,
     if not cfg.private:
       out.append({**row, "private": False, "epsilon": None})
       continue
+    # Everything the plan depends on (the BLT's strategy, and so its sigma, on the momentum).
     key = (n, cfg.batch_size, cfg.sampling, cfg.delta, cfg.epochs, cfg.noise_multiplier,
            cfg.target_epsilon, cfg.accountant, getattr(cfg, "bound", None),
-           getattr(cfg, "conversion", None))
+           getattr(cfg, "conversion", None), getattr(cfg, "noise", None),
+           getattr(cfg, "bands", None), getattr(cfg, "blt_buffers", None),
+           tuple(getattr(cfg, "releases", ())),
+           (cfg.optimizer, cfg.momentum) if getattr(cfg, "noise", None) == "blt" else None)
     if key not in plans:
       try:
         plans[key] = make_plan(cfg, n)
@@ -63,7 +67,7 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell], configure: Callable,
     row["privacy"] = tuning.RunPrivacy.from_report(
         {"dataset_size": n, "batch_size": cfg.batch_size, "sampling": cfg.sampling,
          "bound": plan.bound, "conversion": plan.conversion, "noise_multiplier": sigma,
-         "steps": steps})
+         "steps": steps, "bands": plan.bands, "blt": plan.blt, "releases": plan.releases})
     out.append(row)
   return out
 
