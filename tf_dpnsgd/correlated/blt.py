@@ -49,7 +49,7 @@ import hashlib
 import math
 
 import numpy as np
-from scipy import optimize
+from scipy import optimize, special
 
 from tf_dpnsgd.correlated import strategy as strategy_lib
 
@@ -150,7 +150,7 @@ def loss(blt: BLTStrategy, n: int, separation: int, momentum: float = 0.0) -> fl
 
 
 def _from_unconstrained(x, d):
-  theta = 1.0 / (1.0 + np.exp(-x[:d]))
+  theta = special.expit(x[:d])
   weights = np.exp(x[d:])
   omega = weights / (1.0 + weights.sum())  # >= 0, sum < 1
   return np.clip(theta, 1e-9, 1 - 1e-9), omega
