@@ -60,6 +60,27 @@ def test_minsep_sensitivity_matches_brute_force(strategy):
   assert bl.minsep_sensitivity(strategy, n, 1, 1) == pytest.approx(np.linalg.norm(C[:, 0]))
 
 
+def test_minsep_sensitivity_matches_brute_force_on_random_and_extreme_blts():
+  """The worst case of Thm. 2 (participations at 0, b, 2b, ...) on BLTs an adversary could
+  pass: decays near 0 and near 1, output scales summing to exactly 1, one buffer dominating;
+  every participation pattern enumerated (any offset, any number)."""
+  rng = np.random.default_rng(7)
+  strategies = [bl.BLTStrategy((1e-9,), (1.0,)), bl.BLTStrategy((1 - 1e-9,), (1.0,)),
+                bl.BLTStrategy((0.999999, 1e-6), (0.5, 0.5)),
+                bl.BLTStrategy((0.3, 0.6, 0.9), (0.0, 0.0, 1.0))]
+  for _ in range(12):
+    d = int(rng.integers(1, 4))
+    omega = rng.dirichlet(np.ones(d + 1))[:d] * rng.choice([1.0, 1.0 / rng.uniform(0.5, 1)])
+    omega = omega / max(1.0, omega.sum())
+    strategies.append(bl.BLTStrategy(tuple(rng.uniform(1e-3, 1 - 1e-3, d)), tuple(omega)))
+  n = 11
+  for strategy in strategies:
+    C = strategy.matrix(n)
+    for separation in (1, 2, 3, 4):
+      assert bl.minsep_sensitivity(strategy, n, separation) == pytest.approx(
+          st.sensitivity(C, None, separation=separation), rel=1e-12), (strategy, separation)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_total_error_and_loss_match_the_dense_formula(momentum):
   n, separation = 40, 4
