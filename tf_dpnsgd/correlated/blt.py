@@ -131,9 +131,15 @@ def minsep_sensitivity(blt: BLTStrategy, n: int, separation: int,
   if max_participations is not None:
     k = min(k, int(max_participations))
   c = blt.coefficients(n)
-  column = np.zeros(n)
-  for j in range(k):
-    column[j * separation:] += c[:n - j * separation]
+  # column[i] = sum_{j < k, j b <= i} c[i - j b]: per residue r = i mod b, a cumulative sum
+  # of c[r::b] (O(n): the accountant evaluates it at every step count), minus the terms
+  # beyond the k-th participation.
+  column = np.empty(n)
+  for r in range(min(separation, n)):
+    sums = np.cumsum(c[r::separation])
+    if len(sums) > k:
+      sums[k:] -= sums[:-k]
+    column[r::separation] = sums
   return float(np.linalg.norm(column))
 
 
