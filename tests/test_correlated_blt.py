@@ -17,6 +17,7 @@ import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd.callbacks import PrivacyBudgetExceededError
 from tf_dpnsgd.correlated import blt as bl
 from tf_dpnsgd.correlated import noise as cn
 from tf_dpnsgd.correlated import strategy as st
@@ -187,9 +188,11 @@ def test_the_epsilon_of_blt_noise_is_one_gaussian_mechanism_of_the_enumerated_se
   assert PrivacyPlan.from_json(target.to_json()) == target  # the BLT travels with the plan
 
 
-def test_make_private_blt_trains_and_reports_the_plans_blt():
+@pytest.mark.slow
+def test_make_private_blt_trains_and_reports_the_plans_blt(tmp_path):
   """One call: the plan's BLT is optimized for its steps, separation and the optimizer's
-  momentum, handed to the optimizer, recorded by the ledger and reported."""
+  momentum, handed to the optimizer, recorded by the ledger and reported; a .keras round
+  trip keeps the plan's BLT and the report, and a second fit is refused at the budget."""
   x, y = fixtures.tiny_data(64)
   model = tf_dpnsgd.make_private(fixtures.tiny_model("sequential", seed=0), noise="blt",
                                  bands=2, blt_buffers=2, noise_multiplier=2.0, delta=1e-5,
@@ -209,6 +212,15 @@ def test_make_private_blt_trains_and_reports_the_plans_blt():
   assert any("BLT" in note and "WITHOUT amplification" in note for note in report.notes)
   assert report.to_dict()["sampling"] == "cyclic_poisson"
   assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+  model.save(str(tmp_path / "m.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  assert loaded.privacy_plan.blt == plan.blt
+  assert loaded.optimizer.blt_parameters == model.optimizer.blt_parameters
+  assert loaded.privacy_report().epsilon == pytest.approx(report.epsilon, rel=1e-12)
+  for again in (model, loaded):
+    with pytest.raises(PrivacyBudgetExceededError):
+      again.fit(x, y, verbose=0)  # the plan's 6 steps ran: refused, nothing counted
+    assert ledger_lib.ledger_of(again).steps == 6
 
 
 def test_a_model_trained_with_blt_noise_is_refused_by_a_plan_for_other_noise():
