@@ -296,3 +296,25 @@ def test_blt_buffers_travel_with_the_keras_file_and_continue_the_same_stream(tmp
   assert ledger_lib.ledger_of(loaded).steps == 4
   for a, b in zip(straight.get_weights(), loaded.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_an_extended_blt_plan_continues_the_stream_and_accounts_every_step():
+  """Unlike a banded strategy (optimized for the planned steps, refused when extended), a
+  BLT's Toeplitz matrix continues: the extended plan keeps the BLT and its epsilon is that of
+  the longer prefix (oracle: enumeration over 8 steps)."""
+  x, y = fixtures.tiny_data(64)
+  model = tf_dpnsgd.make_private(fixtures.tiny_model("functional", seed=0), noise="blt",
+                                 bands=2, noise_multiplier=2.0, delta=1e-5, batch_size=8,
+                                 steps=6)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(x, y, verbose=0)
+  blt = model.privacy_plan.blt
+  model.extend_privacy_plan(steps=8)
+  assert model.privacy_plan.blt == blt and model.privacy_plan.num_steps == 8
+  model.fit(x, y, verbose=0)
+  assert ledger_lib.ledger_of(model).steps == 8
+  assert model.privacy_report().epsilon == pytest.approx(
+      _oracle_epsilon(bl.BLTStrategy(*blt), 8, 2, 2.0, 1e-5), rel=1e-6)
+  assert all(np.all(np.isfinite(w)) for w in model.get_weights())
