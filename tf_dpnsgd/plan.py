@@ -84,10 +84,7 @@ class PrivacyPlan:
       leaves less for training; the model's ledger records each release
       made, and a report refuses a ledger with a release the plan does not
       account for.
-    bands, blt: correlated noise under cyclic Poisson sampling (``b`` parts, each example
-      at most once every ``b`` steps): ``bands=b`` alone, ``b``-banded BandMF noise
-      (amplified); with ``blt=(theta, omega)``, that BLT's noise, accounted without
-      amplification (:mod:`tf_dpnsgd.correlated.blt`, ``docs/correlated_noise.md``).
+    bands, blt: ``b`` cyclic Poisson parts, ``b``-banded or BLT ``(theta, omega)`` noise.
   """
 
   dataset_size: int
@@ -292,9 +289,7 @@ class PrivacyPlan:
     releases = tuple(releases)
     if releases == self.releases:
       return self.spec
-    return accounting.make_spec(self.dataset_size, self.batch_size, self.sampling,
-                                self.accountant, self.bound, self.conversion,
-                                releases=releases, bands=self.bands, blt=self.blt)
+    return dataclasses.replace(self.spec, releases=releases)
 
   def report(self, model=None) -> accounting.PrivacyReport:
     """The privacy report of what ``model`` (or its ``privacy_ledger``) executed.
