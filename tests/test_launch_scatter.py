@@ -90,6 +90,24 @@ def test_committed_scatter_sweep_cells_run_the_study_setting(tmp_path, sweep_con
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sweep_config", ["scatter_cifar10_noise_bandmf",
+                                          "scatter_cifar10_noise_long_blt",
+                                          "scatter_cifar10_noise_blt_dpsgd"])
+def test_committed_correlated_noise_sweep_cells_run_their_mechanism(tmp_path, sweep_config):
+  """The correlated-noise study's configs (docs/correlated_noise.md) run the study's setting
+  with their mechanism (b = 2 here: the tiny data set holds no 24 parts of a batch)."""
+  write_image_folder(tmp_path / "data", per_class=(6, 3))
+  launch("tf_dpnsgd.launch.cifar10", *_sweep_cell_flags(sweep_config),
+         f"--data_dir={tmp_path}/data", f"--model_dir={tmp_path}/run", *TINY, "--bands=2")
+  rep = report(tmp_path / "run")
+  mechanism = sweep_config.split("_")[-2] if sweep_config.endswith("dpsgd") else \
+      sweep_config.split("_")[-1]
+  assert (rep["noise"], rep["bands"], rep["sampling"]) == (mechanism, 2, "cyclic_poisson")
+  assert rep["feature_views"] == ["identity"] and rep["steps"] == 2
+  assert bool(rep.get("blt")) == (mechanism == "blt")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--model=scatter_linear", "--augment"], "--augment needs --model=resnet20"),
     (["--model=scatter_cnn", "--feature_groups=10"], "--feature_groups"),
