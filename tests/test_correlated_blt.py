@@ -162,7 +162,7 @@ def _oracle_epsilon(strategy, steps, separation, sigma, delta, accountant="rdp")
   return acc.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("accountant", ["rdp", pytest.param("pld", marks=pytest.mark.slow)])
 def test_the_epsilon_of_blt_noise_is_one_gaussian_mechanism_of_the_enumerated_sensitivity(
     accountant):
   n, b, sigma, delta = 12, 3, 3.0, 1e-5

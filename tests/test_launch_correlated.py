@@ -122,7 +122,9 @@ def test_plan_epsilon_is_the_cyclic_poisson_event_of_dp_accounting():
 
 
 @pytest.mark.parametrize("optimizer,momentum,expected_momentum", [
-    ("dpsgd", 0.9, 0.9), ("dpnsgd", 0.5, 0.5), ("dpadam", 0.0, 0.0), ("dpnadam", 0.0, 0.0)])
+    ("dpsgd", 0.9, 0.9), ("dpnsgd", 0.5, 0.5),  # momentum 0 (the Adam variants): full suite
+    pytest.param("dpadam", 0.0, 0.0, marks=pytest.mark.slow),
+    pytest.param("dpnadam", 0.0, 0.0, marks=pytest.mark.slow)])
 def test_optimizer_takes_the_strategy_of_the_plans_steps_bands_and_momentum(
     optimizer, momentum, expected_momentum):
   cfg = parse("--noise=bandmf", "--bands=3", f"--optimizer={optimizer}",
@@ -147,7 +149,8 @@ def blt_oracle_epsilon(blt, steps, separation, sigma, delta):
   return acc.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("optimizer,expected_momentum", [("dpsgd", 0.9), ("dpnadam", 0.0)])
+@pytest.mark.parametrize("optimizer,expected_momentum", [
+    ("dpsgd", 0.9), pytest.param("dpnadam", 0.0, marks=pytest.mark.slow)])
 def test_blt_plan_and_optimizer_share_the_blt_of_the_plans_steps(optimizer, expected_momentum):
   momentum = ["--momentum=0.9"] if optimizer == "dpsgd" else []
   cfg = parse("--noise=blt", "--bands=3", "--blt_buffers=2", f"--optimizer={optimizer}",
