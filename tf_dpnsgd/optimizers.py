@@ -220,9 +220,15 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
     """:meth:`take_band_coefficients` of the strategy optimized for a plan's ``num_steps``
     and ``bands`` and this optimizer's momentum (0 where it has none: the strategy is then
     optimized for plain prefix sums; any normalized strategy is equally private)."""
+    self.take_band_coefficients(_correlated.bandmf(int(num_steps), int(bands),
+                                                   self.workload_momentum))
+
+  @property
+  def workload_momentum(self) -> float:
+    """The momentum the updates are applied with (0 without one, or for a schedule): the
+    workload a correlated-noise strategy (banded, BLT) is optimized for."""
     momentum = getattr(self.inner_optimizer, "momentum", 0.0)
-    momentum = float(momentum) if isinstance(momentum, (int, float)) else 0.0
-    self.take_band_coefficients(_correlated.bandmf(int(num_steps), int(bands), momentum))
+    return float(momentum) if isinstance(momentum, (int, float)) else 0.0
 
   def _require_noise_multiplier(self) -> float:
     if self.noise_multiplier is None:

@@ -387,11 +387,8 @@ class _DPTrainer:
     return self._dp_plan
 
   def _dp_workload_momentum(self) -> float:
-    """The momentum the optimizer applies its updates with (0 without one): the workload a
-    correlated-noise strategy is optimized for."""
-    inner = getattr(getattr(self, "optimizer", None), "inner_optimizer", None)
-    momentum = getattr(inner, "momentum", 0.0)
-    return float(momentum) if isinstance(momentum, (int, float)) else 0.0
+    """The compiled optimizer's :attr:`~tf_dpnsgd.PrivateOptimizer.workload_momentum`."""
+    return getattr(getattr(self, "optimizer", None), "workload_momentum", 0.0)
 
   def _dp_give_plan_noise(self):
     if self._dp_plan is None or getattr(self, "optimizer", None) is None:

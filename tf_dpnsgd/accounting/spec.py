@@ -56,6 +56,7 @@ adaptive compositions of the Gaussian mechanism with sensitivity ``2S``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -206,7 +207,7 @@ class AccountingSpec:
       return self.orders
     return WOR_ORDERS if self.sampling == "uniform" else DEFAULT_ORDERS
 
-  @property
+  @functools.cached_property  # the accountant asks at every new step count
   def blt_strategy(self):
     """The :class:`~tf_dpnsgd.correlated.blt.BLTStrategy` of :attr:`blt`, or None."""
     return _blt_strategy(self.blt) if self.blt else None

@@ -45,6 +45,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 
@@ -87,7 +88,7 @@ class BLTStrategy:
   def buffers(self) -> int:
     return len(self.theta)
 
-  @property
+  @functools.cached_property  # the guard compares it before every step
   def ledger_code(self) -> int:
     """What the ledger records for steps of this BLT's noise (``noise_bands``): ``-2 - h``,
     ``h`` a 48-bit hash of the exact parameters (``<= -2``; ``-1`` means mixed noise).
