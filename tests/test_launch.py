@@ -418,18 +418,19 @@ def test_help_lists_the_flags_a_run_needs(launcher):
 
 @pytest.mark.slow
 def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_path):
-  """--lora_rank: DP LoRA fine-tuning from the launcher; the pretrained weights are frozen
-  and named in not_covered; the export serves raw sentences."""
+  """--lora_rank (here on every projection, --lora_layers=all): DP LoRA fine-tuning from the
+  launcher; the pretrained weights are frozen and named in not_covered; the export serves raw
+  sentences."""
   preset = _tiny_sst2(tmp_path)
   run = tmp_path / "run"
   out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
                "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
-               "--sequence_length=16", "--lora_rank=2", f"--model_dir={run}",
-               f"--export_dir={tmp_path}/export")
+               "--sequence_length=16", "--lora_rank=2", "--lora_layers=all",
+               f"--model_dir={run}", f"--export_dir={tmp_path}/export")
   # The default --verbose=2 prints a line per epoch; the first step is reported at once.
   assert "step 1/2  loss " in out.stdout and " ETA " in out.stdout, out.stdout
   rep = report(run)
-  assert rep["steps"] == 2 and rep["lora_rank"] == 2
+  assert rep["steps"] == 2 and rep["lora_rank"] == 2 and rep["lora_layers"] == ["all"]
   frozen = [item for item in rep["not_covered"] if item.startswith("Frozen weights")]
   assert frozen and "transformer_layer_0" in frozen[0], rep["not_covered"]
   assert any(preset in item and item.startswith("Pretrained weights")

@@ -20,11 +20,11 @@ from tf_dpnsgd.models import text_cache  # noqa: E402
 LAYERS = 3
 
 
-def _backbone(lora_rank=0):
+def _backbone(lora_rank=0, lora_layers=None):
   keras.utils.set_random_seed(0)
   backbone = fixtures.tiny_bert_backbone(num_layers=LAYERS, dropout=0.0)
   if lora_rank:
-    backbone.enable_lora(lora_rank)
+    backbone.enable_lora(lora_rank, text.lora_target_names(backbone, lora_layers))
   return backbone
 
 
@@ -146,11 +146,27 @@ def test_lora_below_the_cut_is_frozen_and_only_the_top_factors_train():
   assert not any(p.endswith("query/kernel") for p in paths)  # the pretrained kernel: frozen
 
 
-@pytest.mark.parametrize("lora_rank,k", [(0, 1), (2, 1), (0, 0)])
-def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(lora_rank, k):
+def test_lora_layers_all_reaches_every_projection_and_a_typo_is_refused():
+  backbone = _backbone(lora_rank=2, lora_layers="all")
+  trainable = [v.path for v in backbone.weights if v.trainable]
+  for layer in backbone.transformer_layers:
+    factors = {p.split("/")[-2] for p in trainable
+               if p.startswith(layer.name + "/") and "lora_kernel" in p}
+    assert factors == set(text.ALL_LORA_LAYERS), (layer.name, factors)
+  # The pretrained kernels are frozen (the LoRA'd layers' biases train, as in Keras' LoRA).
+  assert all(p.endswith(("lora_kernel_a", "lora_kernel_b", "/bias")) for p in trainable), trainable
+  with pytest.raises(ValueError, match="feedforward_intermediate_dense"):
+    text.lora_target_names(_backbone(), ["feedforward_dense"])  # the message lists the names
+
+
+@pytest.mark.parametrize("lora_rank,k,lora_layers",
+                         [(0, 1, None), (2, 1, None), (2, 1, "all"), (0, 0, None)])
+def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(
+    lora_rank, k, lora_layers):
   """One DP-NSGD step (noise 0, r 0.1, lr 1) on cached rows: sum_i g_i/(r+|g_i|) / B, with
-  g_i each sentence's gradient through tokens -> frozen lower -> top layer (the oracle)."""
-  backbone = _backbone(lora_rank)
+  g_i each sentence's gradient through tokens -> frozen lower -> top layer (the oracle).
+  ``lora_layers="all"``: LoRA on every projection, the feed-forward Dense layers too."""
+  backbone = _backbone(lora_rank, lora_layers)
   if lora_rank:  # LoRA's B starts at 0 (zero gradient for A): start from a nonzero B
     for v in backbone.weights:
       if "lora_kernel_b" in v.path:

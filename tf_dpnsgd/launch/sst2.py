@@ -51,6 +51,10 @@ flags.DEFINE_integer("max_train_examples", None, "Use only the first N training 
 flags.DEFINE_integer("lora_rank", 0, "> 0: fine-tune LoRA factors of this rank on the "
                      "attention query/value projections (backbone.enable_lora); the "
                      "pretrained weights stay frozen.")
+flags.DEFINE_list("lora_layers", None, "With --lora_rank: the sublayers that get LoRA factors: "
+                  "'all' (query, key, value, attention_output, feedforward_intermediate_dense, "
+                  "feedforward_output_dense) or a list of layer names. Default: keras-hub's "
+                  "(attention query and value).")
 flags.DEFINE_enum("pooling", "cls", ["cls", "mean"],
                   "cls: the preset's classifier (BERT's pooler on [CLS]); mean: masked mean of the "
                   "last layer, dropout, a new Dense head (sentence encoders such as "
@@ -125,6 +129,7 @@ def main(argv):
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
       freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank,
+      lora_layers=(FLAGS.lora_layers[0] if FLAGS.lora_layers == ["all"] else FLAGS.lora_layers),
       pooling="cls" if cache else FLAGS.pooling,
       trainable_layers=None if cache else FLAGS.trainable_layers)
   train_s, train_y, dev_s, dev_y = glue.load_sst2(FLAGS.data_dir)
@@ -165,6 +170,7 @@ def main(argv):
           "data) and does not cover them.",),
       extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings, "lora_rank": FLAGS.lora_rank,
+                    "lora_layers": FLAGS.lora_layers,
                     "sequence_length": FLAGS.sequence_length, "pooling": FLAGS.pooling,
                     "trainable_layers": FLAGS.trainable_layers, "cache_frozen_layers": cache,
                     "feature_cache_hit": cache_hit})

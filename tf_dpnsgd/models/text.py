@@ -49,6 +49,10 @@ ACCEPTED_HELP = (
 
 
 POOLINGS = ("cls", "mean")
+#: ``lora_layers="all"``: every projection of a keras-hub transformer layer (Keras'
+#: MultiHeadAttention's four EinsumDense and the feed-forward block's two Dense).
+ALL_LORA_LAYERS = ("query", "key", "value", "attention_output", "feedforward_intermediate_dense",
+                   "feedforward_output_dense")
 
 
 @keras.saving.register_keras_serializable(package="tf_dpnsgd")
@@ -71,7 +75,8 @@ class MaskedMeanPooling(keras.layers.Layer):
 
 
 def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embeddings=True,
-                    lora_rank=0, pooling="cls", trainable_layers=None, dropout=0.1):
+                    lora_rank=0, pooling="cls", trainable_layers=None, dropout=0.1,
+                    lora_layers=None):
   """Builds a pretrained keras-hub text classifier and its preprocessor.
 
   The classification head is new (randomly initialised for ``num_classes``);
@@ -99,6 +104,10 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
       attention query and value projections; their pretrained kernels frozen, named in
       the report's ``not_covered``); the layer-wise engine computes the factors'
       per-example gradients exactly (``docs/per_example.md``, "LoRA").
+    lora_layers: with ``lora_rank``, the names of the sublayers that get LoRA
+      factors: ``None`` keras-hub's default (attention query and value), ``"all"``
+      every projection (:data:`ALL_LORA_LAYERS`: also key, attention output and the
+      feed-forward block), or a list of layer names.
     pooling: ``"cls"``: the preset's own classifier (BERT: the pooler on the first
       token; RoBERTa: its head); ``"mean"``: the mean of the last layer's vectors over
       the real tokens, then dropout and a new ``Dense(num_classes)`` (sentence encoders
@@ -147,7 +156,10 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
   if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
     raise ValueError(f"`lora_rank` must be an integer >= 0; got {lora_rank!r}.")
   if lora_rank:
-    classifier.backbone.enable_lora(lora_rank)
+    classifier.backbone.enable_lora(lora_rank, lora_target_names(classifier.backbone,
+                                                                 lora_layers))
+  elif lora_layers is not None:
+    raise ValueError(f"`lora_layers` ({lora_layers!r}) needs `lora_rank` > 0.")
   if pooling not in POOLINGS:
     raise ValueError(f"`pooling` must be one of {POOLINGS}; got {pooling!r}.")
   if trainable_layers is not None:
@@ -155,6 +167,27 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
   if pooling == "mean":
     classifier = mean_pooled_classifier(classifier.backbone, num_classes, dropout)
   return classifier, preprocessor
+
+
+def lora_target_names(backbone, lora_layers) -> list[str] | None:
+  """The names ``backbone.enable_lora`` gets for ``lora_layers`` (see :func:`text_classifier`).
+
+  Raises:
+    ValueError: a name that no LoRA-capable sublayer of ``backbone`` has (a typo
+      would otherwise train nothing there, silently).
+  """
+  if lora_layers is None:
+    return None
+  names = list(ALL_LORA_LAYERS) if lora_layers == "all" else list(lora_layers)
+  # pylint: disable-next=protected-access
+  capable = {layer.name for layer in backbone._flatten_layers(include_self=False)
+             if hasattr(layer, "enable_lora") and layer.weights}
+  unknown = [n for n in names if n not in capable]
+  if unknown or not names:
+    raise ValueError(f"`lora_layers` names no LoRA-capable layer of backbone '{backbone.name}': "
+                     f"{unknown or names}; its LoRA-capable layers are {sorted(capable)} "
+                     "(or pass 'all').")
+  return names
 
 
 def freeze_lower_layers(backbone, trainable_layers) -> list[str]:
