@@ -48,6 +48,7 @@ launcher's default ``--target_epsilon``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -96,9 +97,14 @@ def blt_parameters(cfg, num_steps: int):
   the plan refuses an optimizer whose BLT differs)."""
   if cfg.noise != "blt":
     return None
-  return blt_lib.optimize_blt(
-      int(num_steps), int(cfg.blt_buffers or 2), int(cfg.bands),
-      momentum=_workload_momentum(cfg)).parameters()
+  return _optimized_blt(int(num_steps), int(cfg.blt_buffers or 2), int(cfg.bands),
+                        float(_workload_momentum(cfg) or 0.0))
+
+
+@functools.lru_cache(maxsize=8)
+def _optimized_blt(steps, buffers, bands, momentum):
+  """Deterministic, so cached: the plan and the optimizer ask for it (one L-BFGS run, not two)."""
+  return blt_lib.optimize_blt(steps, buffers, bands, momentum=momentum).parameters()
 
 
 
