@@ -117,13 +117,39 @@ def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None)
   return out
 
 
+def _status_mib(field):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) / 1024
+  return float("nan")
+
+
 def memory_child(model_name, jit, mode, steps, keep_mib=None, batch=None):
+  """Peak RSS of the first ``steps`` steps (tracing included) over the baseline; then, for
+  ``steps`` more, the steady state: the peak RSS of those steps alone (Linux' high-water
+  mark reset through ``/proc/self/clear_refs``) and the peak of TensorFlow's CPU allocator
+  (the tensors; oneDNN's and XLA's own buffers are outside it)."""
+  import tensorflow as tf
+
   model, x, y = _build(model_name, jit, mode, keep_mib, batch)
   baseline = _peak_mib()
   for _ in range(steps):
     model.train_on_batch(x, y)
   peak = _peak_mib()
-  return {"peak_mib": peak, "baseline_mib": baseline, "step_mib": peak - baseline}
+  out = {"peak_mib": peak, "baseline_mib": baseline, "step_mib": peak - baseline}
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")  # resets VmHWM to the current RSS
+  except OSError:
+    return out
+  tf.config.experimental.reset_memory_stats("CPU:0")
+  before = _status_mib("VmRSS")
+  for _ in range(steps):
+    model.train_on_batch(x, y)
+  out.update(steady_rss_before_mib=before, steady_peak_mib=_status_mib("VmHWM"),
+             tensors_peak_mib=tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20)
+  return out
 
 
 def sampler_child(batches):
@@ -224,15 +250,18 @@ def main(argv=None):
         f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); "
         f"all models' steps in turn, medians over {args.steps} rounds after {args.warmup} "
         "warm-up rounds; memory: peak RSS of a separate run of each minus its peak before the "
-        "first step.\n")
+        "first step (tracing included); steady: the peak RSS of as many further steps "
+        "(high-water mark reset) and the peak of TensorFlow's CPU allocator in them.\n")
   print("| model | batch | XLA | keep MiB | mode | step ms | x plain | ratio IQR "
-        "| step MiB (peak RSS - baseline) | x plain | peak RSS MiB |"
+        "| step MiB (peak RSS - baseline) | x plain | peak RSS MiB | x plain "
+        "| steady peak RSS MiB | x plain | steady tensors MiB | x plain |"
         + (f" largest batch in {args.fit_gib:g} GiB |" if args.fit_gib > 0 else ""))
-  print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.fit_gib > 0 else ""))
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if args.fit_gib > 0 else ""))
   for r in rows:
     head = f"| {r['model']} | {r['batch']} | {r['jit']} | {r['keep_mib']} "
     if "error" in r:
-      print(f"{head}| | failed: {r['error']} | | | | | |")
+      print(f"{head}| | failed: {r['error']} | | | | | | | | | | |")
       continue
     b = r["batch"]
     plain_mem = r.get(f"plain_mem_{b}", {})
@@ -243,9 +272,14 @@ def main(argv=None):
       iqr = "" if mode == "plain" else "{:.2f}-{:.2f}".format(*r[f"{mode}_iqr"])
       if "step_mib" in mem and "step_mib" in plain_mem:
         memory = (f"{mem['step_mib']:.0f} | {mem['step_mib'] / plain_mem['step_mib']:.2f}x "
-                  f"| {mem['peak_mib']:.0f}")
+                  f"| {mem['peak_mib']:.0f} | {mem['peak_mib'] / plain_mem['peak_mib']:.2f}x")
+        for key in ("steady_peak_mib", "tensors_peak_mib"):
+          if key in mem and key in plain_mem:
+            memory += f" | {mem[key]:.0f} | {mem[key] / plain_mem[key]:.2f}x"
+          else:
+            memory += " | - | -"
       else:
-        memory = f"{mem.get('error', '-')} | - | -"
+        memory = f"{mem.get('error', '-')} | - | - | - | - | - | - | -"
       fit = ""
       if args.fit_gib > 0:
         half = r.get(f"{mode}_mem_{b // 2}", {})
