@@ -160,7 +160,8 @@ def test_lora_layers_all_reaches_every_projection_and_a_typo_is_refused():
 
 
 @pytest.mark.parametrize("lora_rank,k,lora_layers",
-                         [(0, 1, None), (2, 1, None), (2, 1, "all"), (0, 0, None)])
+                         [(0, 1, None), (2, 1, None),
+                          pytest.param(2, 1, "all", marks=pytest.mark.slow), (0, 0, None)])
 def test_dp_step_on_the_cache_equals_a_single_example_loop_through_the_uncut_model(
     lora_rank, k, lora_layers):
   """One DP-NSGD step (noise 0, r 0.1, lr 1) on cached rows: sum_i g_i/(r+|g_i|) / B, with
