@@ -49,8 +49,8 @@ flags.DEFINE_integer("sequence_length", 128, "Tokens per sentence.")
 flags.DEFINE_string("data_dir", None, "GLUE folder (SST-2/train.tsv, dev.tsv); else tfds.")
 flags.DEFINE_integer("max_train_examples", None, "Use only the first N training sentences.")
 flags.DEFINE_integer("lora_rank", 0, "> 0: fine-tune LoRA factors of this rank on the "
-                     "attention query/value projections (backbone.enable_lora); the "
-                     "pretrained weights stay frozen.")
+                     "attention query/value projections, or those --lora_layers names "
+                     "(backbone.enable_lora); the pretrained weights stay frozen.")
 flags.DEFINE_list("lora_layers", None, "With --lora_rank: the sublayers that get LoRA factors: "
                   "'all' (query, key, value, attention_output, feedforward_intermediate_dense, "
                   "feedforward_output_dense) or a list of layer names. Default: keras-hub's "
