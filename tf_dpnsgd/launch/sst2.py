@@ -129,7 +129,7 @@ def main(argv):
   classifier, preprocessor = text.text_classifier(
       FLAGS.preset, num_classes=2, sequence_length=FLAGS.sequence_length,
       freeze_embeddings=FLAGS.freeze_embeddings, lora_rank=FLAGS.lora_rank,
-      lora_layers=(FLAGS.lora_layers[0] if FLAGS.lora_layers == ["all"] else FLAGS.lora_layers),
+      lora_layers=FLAGS.lora_layers,
       pooling="cls" if cache else FLAGS.pooling,
       trainable_layers=None if cache else FLAGS.trainable_layers)
   train_s, train_y, dev_s, dev_y = glue.load_sst2(FLAGS.data_dir)

@@ -106,7 +106,7 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
       per-example gradients exactly (``docs/per_example.md``, "LoRA").
     lora_layers: with ``lora_rank``, the names of the sublayers that get LoRA
       factors: ``None`` keras-hub's default (attention query and value), ``"all"``
-      every projection (:data:`ALL_LORA_LAYERS`: also key, attention output and the
+      (or ``["all"]``) every projection (:data:`ALL_LORA_LAYERS`: also key, attention output and the
       feed-forward block), or a list of layer names.
     pooling: ``"cls"``: the preset's own classifier (BERT: the pooler on the first
       token; RoBERTa: its head); ``"mean"``: the mean of the last layer's vectors over
@@ -178,7 +178,8 @@ def lora_target_names(backbone, lora_layers) -> list[str] | None:
   """
   if lora_layers is None:
     return None
-  names = list(ALL_LORA_LAYERS) if lora_layers == "all" else list(lora_layers)
+  all_ = lora_layers == "all" or list(lora_layers) == ["all"]  # a flag's list, too
+  names = list(ALL_LORA_LAYERS) if all_ else list(lora_layers)
   # pylint: disable-next=protected-access
   capable = {layer.name for layer in backbone._flatten_layers(include_self=False)
              if hasattr(layer, "enable_lora") and layer.weights}
