@@ -36,6 +36,7 @@ data set).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Optional
 
@@ -44,6 +45,7 @@ import tensorflow as tf
 
 from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import noise_choice
 from tf_dpnsgd import plan as plan_lib
 from tf_dpnsgd.correlated import blt as blt_lib
 
@@ -63,6 +65,7 @@ class PlanRequest:
   dataset_size: Optional[int] = None
   bands: int = 1  # > 1: correlated noise (BandMF) with cyclic Poisson sampling
   blt_buffers: int = 0  # > 0: BLT noise with this many buffers, separation `bands`
+  auto_bands: int = 0  # > 0: noise="auto", independent or BandMF with at most this many bands
 
   def __post_init__(self):
     if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -70,6 +73,11 @@ class PlanRequest:
                        "`noise_multiplier`.")
     if (self.epochs is None) == (self.steps is None):
       raise ValueError("make_private: give exactly one of `epochs` and `steps`.")
+    if self.auto_bands and (self.target_epsilon is None or self.sampling != "poisson"
+                            or self.bands != 1 or self.blt_buffers):
+      raise ValueError("make_private(noise='auto') chooses the sampling and the bands itself "
+                       "and compares the mechanisms at one epsilon: give `target_epsilon`, "
+                       "and no `noise_multiplier`, `sampling` or `blt_buffers`.")
     if self.dataset_size is not None:
       self.resolve(self.dataset_size)  # validates everything now
 
@@ -81,6 +89,14 @@ class PlanRequest:
     fields = dict(dataset_size=int(dataset_size), batch_size=self.batch_size,
                   sampling=self.sampling, delta=self.delta, steps=self.steps,
                   epochs=self.epochs, accountant=self.accountant, bands=self.bands, seed=seed)
+    if self.auto_bands:  # public settings only: a rerun (or a reload) chooses the same
+      choice = noise_choice.choose_bands(
+          dataset_size=int(dataset_size), batch_size=self.batch_size, delta=self.delta,
+          target_epsilon=self.target_epsilon, epochs=self.epochs, steps=self.steps,
+          accountant=self.accountant, momentum=float(momentum or 0.0),
+          max_bands=int(self.auto_bands))
+      logging.getLogger(__name__).info("%s", choice.describe())
+      fields.update(sampling=choice.sampling, bands=choice.bands)
     blt = ()
     if self.blt_buffers:
       steps = plan_lib.PrivacyPlan(noise_multiplier=1.0, **fields).num_steps
@@ -95,6 +111,26 @@ class PlanRequest:
 
 
 NOISE_MECHANISMS = ("independent", "bandmf", "blt")
+
+
+def auto_max_bands(noise, bands, sampling=None) -> int:
+  """0 unless ``noise="auto"``; then the most bands it may choose (``bands``, default 32).
+
+  >>> auto_max_bands("auto", None), auto_max_bands("auto", 8), auto_max_bands("bandmf", 8)
+  (32, 8, 0)
+  """
+  if noise != "auto":
+    return 0
+  if sampling is not None:
+    raise ValueError(f"make_private(noise='auto') chooses the sampling with the noise (Poisson "
+                     f"for independent noise, cyclic Poisson for BandMF): drop "
+                     f"`sampling={sampling!r}`.")
+  if bands is None:
+    return noise_choice.DEFAULT_MAX_BANDS
+  if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+    raise ValueError(f"noise='auto' takes `bands` as the most bands it may choose, an int "
+                     f">= 1; got {bands!r}.")
+  return bands
 
 
 def noise_mechanism(noise, bands, sampling, blt_buffers=None):
@@ -147,7 +183,7 @@ def request_of(plan=None, **keywords):
       raise TypeError(f"`plan` must be a tf_dpnsgd.PrivacyPlan; got {plan!r}.")
     return plan
   privacy = {k: v for k, v in given.items()
-             if k not in ("sampling", "accountant", "bands", "blt_buffers")}
+             if k not in ("sampling", "accountant", "bands", "blt_buffers", "auto_bands")}
   if not privacy:
     return None
   missing = [k for k in ("delta", "batch_size") if k not in given]

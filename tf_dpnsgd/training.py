@@ -922,7 +922,10 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       (``docs/correlated_noise.md``). ``noise="blt", bands=b, blt_buffers=d`` (default 2):
       BLT noise with ``d`` buffers under the same sampling (each example at most once every
       ``b`` steps), accounted without amplification (the plan's ``blt``, optimized the same
-      way). Default: independent noise.
+      way). ``noise="auto"`` (needs ``target_epsilon``; ``bands``: the most it may choose,
+      default 32): independent noise or BandMF, whichever the plan's accounting and the
+      strategies predict leaves less noise in the model (:mod:`tf_dpnsgd.noise_choice`),
+      chosen when ``N`` is known. Default: independent noise.
     length_key: text batches at their real length: the key of the padding mask
       in dict inputs (e.g. ``"padding_mask"`` of keras-hub encoders); with
       ``physical_batch_size``, each chunk is cut to its own longest row (the
@@ -948,12 +951,16 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
+  auto_bands = owned_plan_lib.auto_max_bands(noise, bands, sampling)  # noise="auto": chosen at resolve
+  if auto_bands:
+    noise = bands = None
   sampling, bands, blt_buffers = owned_plan_lib.noise_mechanism(noise, bands, sampling,
                                                                 blt_buffers)
   owned = owned_plan_lib.request_of(
       plan, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, delta=delta,
       batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
-      accountant=accountant, dataset_size=dataset_size, bands=bands, blt_buffers=blt_buffers)
+      accountant=accountant, dataset_size=dataset_size, bands=bands, blt_buffers=blt_buffers,
+      auto_bands=auto_bands or None)
   ledger = _ledger_for(model)
   _bind_ledger(model, ledger)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,

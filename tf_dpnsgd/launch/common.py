@@ -63,6 +63,7 @@ import tf_dpnsgd
 from tf_dpnsgd import distribution
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
+from tf_dpnsgd import noise_choice
 from tf_dpnsgd.correlated import blt as blt_lib
 from tf_dpnsgd import runner
 from tf_dpnsgd import schedules
@@ -79,6 +80,26 @@ from tf_dpnsgd.launch.validation import (  # noqa: F401 (re-exported: the launch
 def _workload_momentum(cfg) -> float:
   """``--momentum`` for DP-SGD / DP-NSGD, 0 for DP-Adam / DP-NAdam (as ``make_private``)."""
   return cfg.momentum if cfg.optimizer in ("dpsgd", "dpnsgd") else 0.0
+
+
+def resolve_auto_noise(cfg, dataset_size: int):
+  """``(cfg, choice)``: ``--noise=auto`` replaced by what :mod:`tf_dpnsgd.noise_choice` chooses
+  for ``N`` (independent, Poisson; or bandmf, cyclic Poisson), and the ``NoiseChoice`` (``None``
+  for another ``--noise``). Public settings only: a rerun (a resume) chooses the same."""
+  if cfg.noise != "auto":
+    return cfg, None
+  try:
+    choice = noise_choice.choose_bands(
+        dataset_size=int(dataset_size), batch_size=cfg.batch_size, delta=cfg.delta,
+        target_epsilon=cfg.target_epsilon, epochs=cfg.epochs, accountant=cfg.accountant,
+        momentum=float(_workload_momentum(cfg) or 0.0),
+        max_bands=int(cfg.bands or noise_choice.DEFAULT_MAX_BANDS))
+    chosen = dataclasses.replace(cfg, noise=choice.noise, sampling=choice.sampling,
+                                 bands=choice.bands if choice.bands > 1 else None)
+  except ValueError as e:
+    raise LaunchError(str(e)) from None
+  logging.info("%s", choice.describe())
+  return chosen, choice
 
 
 def band_coefficients(cfg, num_steps: int):
@@ -222,7 +243,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
                     "DP noise: independent (DP-SGD's fresh Gaussian each step) | bandmf (banded "
                     "matrix-factorization noise, correlated across --bands steps, under cyclic "
                     "Poisson sampling; docs/correlated_noise.md) | blt (buffered linear Toeplitz "
-                    "noise under the same sampling, accounted without amplification).",
+                    "noise under the same sampling, accounted without amplification) | auto "
+                    "(independent or bandmf with at most --bands bands, default 32: whichever "
+                    "the accounting predicts leaves less noise at --target_epsilon).",
                     **kw)
   flags.DEFINE_integer("bands", d["bands"],
                        "--noise=bandmf: the number of bands b >= 2; --noise=blt: the separation "
@@ -401,6 +424,7 @@ def make_plan(cfg: ExperimentConfig, dataset_size: int,
                       f"({dataset_size} examples).")
   if not cfg.private:
     return None
+  cfg, _ = resolve_auto_noise(cfg, dataset_size)
   bands = {"bands": cfg.bands} if cfg.noise in ("bandmf", "blt") else {}
   try:
     if bands:
@@ -455,6 +479,7 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   """
   x_train, y_train = train
   n = len(y_train)
+  cfg, choice = resolve_auto_noise(cfg, n) if cfg.private else (cfg, None)
   if cfg.export_dir and os.path.exists(cfg.export_dir):
     raise FileExistsError(f"--export_dir={cfg.export_dir} exists; choose a new one (an export "
                           "is never written over another). Checked before training.")
@@ -549,6 +574,8 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
          "extra": dict(extra_report or {})}
   if plan:  # the noise mechanism the epsilon is for (the plan's bands: 1 = independent)
     run["extra"].update(noise=cfg.noise, bands=plan.bands)
+    if choice is not None:  # --noise=auto: what it chose from (public settings only)
+      run["extra"].update(noise_choice={"requested": "auto", **choice.to_dict()})
     if plan.blt:
       run["extra"].update(blt=[list(v) for v in plan.blt])
   if after_training is not None:

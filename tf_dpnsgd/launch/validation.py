@@ -14,7 +14,7 @@ from typing import Optional
 OPTIMIZERS = ("dpnsgd", "dpsgd", "dpadam", "dpnadam", "sgd", "adam")
 NON_PRIVATE = ("sgd", "adam")  # the baselines: no noise, no plan, no epsilon
 SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")  # cyclic_poisson: bandmf, blt
-NOISES = ("independent", "bandmf", "blt")
+NOISES = ("independent", "bandmf", "blt", "auto")  # auto: independent or bandmf, chosen
 PRIVACY_FLAGS = ("noise_multiplier", "target_epsilon")
 ADAPTIVE_FLAGS = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 
@@ -62,6 +62,9 @@ def _check_noise(d):
       raise ValueError("--sampling=cyclic_poisson goes with correlated noise: give "
                        "--noise=bandmf --bands=b (or --noise=blt), or another --sampling.")
     return
+  if noise == "auto":
+    _check_auto_noise(d)
+    return
   if noise == "bandmf" and (bands is None or bands < 2):
     raise ValueError(f"--noise=bandmf needs --bands=b with b >= 2 (the number of bands of the "
                      f"noise; b=1 is independent noise: use --noise=independent); got "
@@ -87,6 +90,34 @@ def _check_noise(d):
   if d.get("distribution_strategy", "none") != "none":
     raise ValueError(f"--noise={noise} runs on one replica (correlated noise across "
                      "tf.distribute replicas is not implemented): use "
+                     "--distribution_strategy=none, or --noise=independent.")
+
+
+def _check_auto_noise(d):
+  """``--noise=auto [--bands=most]``: independent noise or BandMF with at most ``most`` bands
+  (default 32), whichever the plan's accounting and the strategies predict leaves less noise
+  at ``--target_epsilon`` (:mod:`tf_dpnsgd.noise_choice`); chosen when the data is loaded."""
+  bands = d.get("bands")
+  if bands is not None and bands < 1:
+    raise ValueError(f"--noise=auto takes --bands=b >= 1 as the most bands it may choose; got "
+                     f"--bands={bands}.")
+  if d["sampling"] != "poisson":
+    raise ValueError(f"--noise=auto chooses the sampling with the noise (Poisson for "
+                     f"independent noise, cyclic Poisson for BandMF); drop "
+                     f"--sampling={d['sampling']}.")
+  if d.get("noise_multiplier") is not None:
+    raise ValueError("--noise=auto compares the mechanisms at one epsilon: give "
+                     "--target_epsilon, not --noise_multiplier.")
+  if d["optimizer"] in NON_PRIVATE:
+    raise ValueError(f"--noise=auto is DP noise; --optimizer={d['optimizer']} trains without "
+                     "privacy. Drop --noise, or choose a DP optimizer.")
+  adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
+  if adaptive:
+    raise ValueError(f"--noise=auto may choose correlated noise, which cannot use adaptive "
+                     f"clipping (--{adaptive[0]}). Use a fixed --l2_norm_clip, or "
+                     "--noise=independent.")
+  if d.get("distribution_strategy", "none") != "none":
+    raise ValueError("--noise=auto may choose correlated noise, which runs on one replica: use "
                      "--distribution_strategy=none, or --noise=independent.")
 
 

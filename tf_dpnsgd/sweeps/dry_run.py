@@ -53,7 +53,8 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell], configure: Callable,
            getattr(cfg, "conversion", None), getattr(cfg, "noise", None),
            getattr(cfg, "bands", None), getattr(cfg, "blt_buffers", None),
            tuple(getattr(cfg, "releases", ())),
-           (cfg.optimizer, cfg.momentum) if getattr(cfg, "noise", None) == "blt" else None)
+           (cfg.optimizer, cfg.momentum) if getattr(cfg, "noise", None) in ("blt", "auto")
+           else None)
     if key not in plans:
       try:
         plans[key] = make_plan(cfg, n)
@@ -65,7 +66,7 @@ def plan_cells(opts: SweepOptions, cells: Sequence[Cell], configure: Callable,
     row.update({"batch_size": cfg.batch_size, "steps": steps, "noise_multiplier": sigma,
                 "epsilon": plan.epsilon(steps), "delta": cfg.delta})
     row["privacy"] = tuning.RunPrivacy.from_report(
-        {"dataset_size": n, "batch_size": cfg.batch_size, "sampling": cfg.sampling,
+        {"dataset_size": n, "batch_size": cfg.batch_size, "sampling": plan.sampling,
          "bound": plan.bound, "conversion": plan.conversion, "noise_multiplier": sigma,
          "steps": steps, "bands": plan.bands, "blt": plan.blt, "releases": plan.releases})
     out.append(row)
