@@ -110,7 +110,7 @@ def _data(n=64):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target_epsilon", [0.5, 30.0])
-def test_make_private_auto_trains_with_the_chosen_mechanism(target_epsilon):
+def test_make_private_auto_trains_with_the_chosen_mechanism(target_epsilon, tmp_path):
   x, y = _data()
   model = tf_dpnsgd.make_private(_model(), target_epsilon=target_epsilon, delta=1e-5,
                                  batch_size=8, steps=8, noise="auto", bands=4)
@@ -130,6 +130,12 @@ def test_make_private_auto_trains_with_the_chosen_mechanism(target_epsilon):
   assert eps <= target_epsilon + 1e-9
   # Both regimes are exercised: at epsilon 0.5 Poisson's amplification wins, at 30 BandMF.
   assert (choice.bands == 1) == (target_epsilon < 1)
+  path = str(tmp_path / "m.keras")  # the round trip keeps the chosen mechanism and the ledger
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  assert loaded.optimizer.bands == choice.bands and ledger_lib.ledger_of(loaded).steps == 8
+  assert (loaded.privacy_plan.sampling, loaded.privacy_plan.bands) == (plan.sampling, plan.bands)
+  assert loaded.privacy_report().epsilon == pytest.approx(eps, rel=1e-9)
 
 
 @pytest.mark.parametrize("kwargs,match", [
