@@ -4,7 +4,9 @@ r"""The correlated-noise study's table: sweeps of one noise mechanism each, side
       independent=runs/noise_study/independent bandmf=runs/noise_study/bandmf \
       blt=runs/noise_study/blt
 
-Each ``label=folder`` is a finished sweep (``tf_dpnsgd.launch.sweep``) over
+Each ``label=folder[:COLUMN=VALUE]`` is a finished sweep (only its rows whose ``COLUMN``
+is ``VALUE``, e.g. ``auto=runs/noise_study/long_auto:noise=auto`` for a sweep with a
+``noise`` axis) (``tf_dpnsgd.launch.sweep``) over
 ``target_epsilon x seed``, as configs/sweeps/scatter_cifar10_noise_*.flags. Writes the
 raw rows of all sweeps (with their label) to ``--out`` and prints a Markdown table: per
 epsilon and mechanism, the final test accuracy of each seed, their mean, and the mean's
@@ -20,15 +22,19 @@ import os
 import statistics
 
 
-def read(folder):
+def read(spec):
+  """The finished rows of ``folder[:COLUMN=VALUE]``."""
+  folder, _, condition = spec.partition(":")
+  column, _, value = condition.partition("=")
   with open(os.path.join(folder, "results.csv"), newline="") as f:
-    return [r for r in csv.DictReader(f) if r.get("status") == "finished"]
+    return [r for r in csv.DictReader(f) if r.get("status") == "finished"
+            and (not column or r.get(column) == value)]
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", required=True, help="CSV of every finished cell, labelled.")
-  parser.add_argument("sweeps", nargs="+", help="label=sweep_dir, the baseline first.")
+  parser.add_argument("sweeps", nargs="+", help="label=sweep_dir[:COLUMN=VALUE], the baseline first.")
   args = parser.parse_args()
   labelled = [s.split("=", 1) for s in args.sweeps]
   rows = []
