@@ -309,7 +309,15 @@ class ConvOuter(factored.Representation):
     right after the forward pass and hold them all through the backward pass.
     """
     t, p, q = self.positions, self.p, self.q
-    if materialize:  # float32 patches and product, float64 copy of the product
+    if materialize and use_grouped_filter(len(self.kernel_size), self.c_in, self.c_out):
+      # No patches: the folded (transposed) inputs and output gradients, the product, its
+      # transposed copy and its float64 square. Counting patches here (as before) cut
+      # ResNet20-GN's batch of 256 into 3-4x more chunks: a larger graph, whose host
+      # memory (GraphDefs, Grappler) was most of the first step's peak RSS
+      # (docs/per_example.md, "Where the first step's RSS goes").
+      inputs = sum(math.prod(int(d) for d in xu.shape[1:]) for xu, _ in self.uses)
+      bytes_per_example = 4 * (inputs + t * q) + 24 * p * q
+    elif materialize:  # float32 patches and product, float64 copy of the product
       bytes_per_example = 4 * t * p + 4 * p * q + 16 * p * q
     else:  # float32 patches, float64 patches and dz, two Gram matrices and their product
       bytes_per_example = 4 * t * p + 8 * t * (p + q) + 24 * t * t
