@@ -79,18 +79,25 @@ def _check_noise(d):
     raise ValueError(f"--noise={noise} is accounted under cyclic Poisson sampling (each example "
                      f"at most once every b steps); got --sampling={sampling}. Drop --sampling "
                      f"(--noise={noise} sets --sampling=cyclic_poisson).")
+  _check_correlated_fits(d, noise)
+
+
+def _check_correlated_fits(d, noise):
+  """Correlated noise (or ``auto``, which may choose it) needs a DP optimizer, a fixed clip
+  and one replica."""
+  what = f"--noise={noise}" + (" may choose correlated noise, which" if noise == "auto" else "")
   if d["optimizer"] in NON_PRIVATE:
     raise ValueError(f"--noise={noise} is DP noise; --optimizer={d['optimizer']} trains without "
                      "privacy. Drop --noise/--bands, or choose a DP optimizer.")
   adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
   if adaptive:
-    raise ValueError(f"--noise={noise} cannot use adaptive clipping (--{adaptive[0]}): its noise "
-                     "std changes every step, which the correlated analysis does not cover. Use "
-                     "a fixed --l2_norm_clip, or --noise=independent.")
+    raise ValueError(f"{what} cannot use adaptive clipping (--{adaptive[0]}): its noise std "
+                     "changes every step, which the correlated analysis does not cover. Use a "
+                     "fixed --l2_norm_clip, or --noise=independent.")
   if d.get("distribution_strategy", "none") != "none":
-    raise ValueError(f"--noise={noise} runs on one replica (correlated noise across "
-                     "tf.distribute replicas is not implemented): use "
-                     "--distribution_strategy=none, or --noise=independent.")
+    raise ValueError(f"{what} runs on one replica (correlated noise across tf.distribute "
+                     "replicas is not implemented): use --distribution_strategy=none, or "
+                     "--noise=independent.")
 
 
 def _check_auto_noise(d):
@@ -108,17 +115,7 @@ def _check_auto_noise(d):
   if d.get("noise_multiplier") is not None:
     raise ValueError("--noise=auto compares the mechanisms at one epsilon: give "
                      "--target_epsilon, not --noise_multiplier.")
-  if d["optimizer"] in NON_PRIVATE:
-    raise ValueError(f"--noise=auto is DP noise; --optimizer={d['optimizer']} trains without "
-                     "privacy. Drop --noise, or choose a DP optimizer.")
-  adaptive = [n for n in ADAPTIVE_FLAGS if d.get(n) is not None]
-  if adaptive:
-    raise ValueError(f"--noise=auto may choose correlated noise, which cannot use adaptive "
-                     f"clipping (--{adaptive[0]}). Use a fixed --l2_norm_clip, or "
-                     "--noise=independent.")
-  if d.get("distribution_strategy", "none") != "none":
-    raise ValueError("--noise=auto may choose correlated noise, which runs on one replica: use "
-                     "--distribution_strategy=none, or --noise=independent.")
+  _check_correlated_fits(d, "auto")
 
 
 def check_bands_fit(bands: int, batch_size: int, dataset_size: int,
