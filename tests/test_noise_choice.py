@@ -193,6 +193,18 @@ def test_launcher_plan_and_optimizer_follow_the_choice(epsilon, momentum, bands)
   assert plan.epsilon(plan.num_steps) == pytest.approx(oracle_epsilon(
       n, 100, plan.training_noise_multiplier, 1e-5, choice.bands, plan.num_steps), rel=1e-9)
   assert common.resolve_auto_noise(resolved, n) == (resolved, None)  # resolved once only
+  sigmas = {b: s for b, s, _ in choice.rows}
+  assert plan.training_noise_multiplier == sigmas[choice.bands]  # the row it chose is the run
+  # A run with a release before training (private feature statistics) leaves less epsilon for
+  # the steps: the choice is calibrated as that run's plan is.
+  import dataclasses
+  with_release = dataclasses.replace(cfg, releases=(20.0 if epsilon < 1 else 1.0,))
+  _, released = common.resolve_auto_noise(with_release, n)
+  plan = common.make_plan(with_release, n)
+  assert plan.training_noise_multiplier == {b: s for b, s, _ in released.rows}[released.bands]
+  assert released.rows[0][1] >= choice.rows[0][1]
+  if epsilon > 1:  # a release at sigma 1 costs a visible part of epsilon 16
+    assert released.rows[0][1] > choice.rows[0][1]
 
 
 @pytest.mark.slow

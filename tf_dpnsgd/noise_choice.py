@@ -113,11 +113,14 @@ def best_of(rows) -> int:
 def choose_bands(*, dataset_size: int, batch_size: int, delta: float, target_epsilon: float,
                  epochs: Optional[float] = None, steps: Optional[int] = None,
                  accountant: str = "rdp", momentum: float = 0.0,
-                 max_bands: int = DEFAULT_MAX_BANDS) -> NoiseChoice:
+                 max_bands: int = DEFAULT_MAX_BANDS, conversion: str = "modern",
+                 releases: tuple = ()) -> NoiseChoice:
   """Independent noise or BandMF with ``b`` bands at ``target_epsilon``, by predicted error.
 
   Each candidate ``b`` (:func:`candidate_bands`) gets the plan's calibrated noise multiplier
   and its optimized strategy (``optimize_bands`` for the plan's steps and ``momentum``).
+  ``conversion`` and ``releases`` (noise multipliers of releases composed with the steps)
+  as the run's plan has them, so that each candidate's multiplier is the one it would run at.
 
   Raises:
     ValueError: the plan's own errors (an epsilon it cannot reach, ...).
@@ -128,7 +131,8 @@ def choose_bands(*, dataset_size: int, batch_size: int, delta: float, target_eps
                      "for each).")
   common = dict(dataset_size=int(dataset_size), batch_size=int(batch_size), delta=delta,
                 epochs=epochs, steps=steps, accountant=accountant,
-                target_epsilon=float(target_epsilon))
+                target_epsilon=float(target_epsilon), conversion=conversion,
+                releases=tuple(releases))
   n = plan_lib.PrivacyPlan(sampling="poisson", **common).num_steps
   rows = []
   for b in candidate_bands(n, batch_size, dataset_size, max_bands):

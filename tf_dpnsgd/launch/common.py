@@ -93,7 +93,8 @@ def resolve_auto_noise(cfg, dataset_size: int):
         dataset_size=int(dataset_size), batch_size=cfg.batch_size, delta=cfg.delta,
         target_epsilon=cfg.target_epsilon, epochs=cfg.epochs, accountant=cfg.accountant,
         momentum=float(_workload_momentum(cfg) or 0.0),
-        max_bands=int(cfg.bands or noise_choice.DEFAULT_MAX_BANDS))
+        max_bands=int(cfg.bands or noise_choice.DEFAULT_MAX_BANDS), conversion=cfg.conversion,
+        releases=tuple(cfg.releases))
     chosen = dataclasses.replace(cfg, noise=choice.noise, sampling=choice.sampling,
                                  bands=choice.bands if choice.bands > 1 else None)
   except ValueError as e:
