@@ -243,3 +243,51 @@ def test_a_launcher_run_reports_the_choice_and_a_rerun_resumes_it(tmp_path):
   sigma = second["noise_multiplier"]
   assert second["epsilon"] == pytest.approx(oracle_epsilon(64, 8, sigma, 1e-5, choice.bands, 6),
                                             rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sequential", "functional", "nested", "subclassed"])
+def test_auto_through_every_model_kind_and_save_path(kind, tmp_path):
+  """noise="auto" on every Keras model kind: saved BEFORE its first fit (the unresolved
+  request travels), reloaded, refused until recompiled, then trained: the same choice as an
+  independent call; saved after it, the mechanism and ledger travel; a second fit past the
+  plan is refused and the epsilon stays."""
+  import fixtures
+  x, y = fixtures.tiny_data(64)
+  keywords = dict(target_epsilon=30.0, delta=1e-5, batch_size=8, steps=8, noise="auto", bands=4)
+
+  def compiled(model):
+    model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+  choice = noise_choice.choose_bands(dataset_size=64, batch_size=8, delta=1e-5, steps=8,
+                                     target_epsilon=30.0, momentum=0.9, max_bands=4)
+  assert choice.bands > 1
+  model = compiled(tf_dpnsgd.make_private(fixtures.tiny_model(kind, seed=0), **keywords))
+  if kind != "subclassed":  # a subclassed wrapper is saved after its first fit (below)
+    path = str(tmp_path / "early.keras")
+    model.save(path)
+    model = keras.models.load_model(path)
+    # The reloaded optimizer was built before the plan chose BandMF: refused before any
+    # step (as for noise="bandmf"), with what to do; doing it works.
+    with pytest.raises(ValueError, match="compile the model with a new optimizer"):
+      model.fit(x, y, verbose=0)
+    assert ledger_lib.ledger_of(model).steps == 0
+    model = compiled(model)
+  model.fit(x, y, verbose=0)
+  plan = model.privacy_plan
+  assert (plan.sampling, plan.bands) == (choice.sampling, choice.bands)
+  assert model.optimizer.bands == choice.bands and ledger_lib.ledger_of(model).steps == 8
+  eps = oracle_epsilon(64, 8, plan.training_noise_multiplier, 1e-5, choice.bands, 8)
+  assert model.privacy_report().epsilon == pytest.approx(eps, rel=1e-9)
+  if kind != "subclassed":  # after the fit the chosen mechanism and its buffers travel
+    model.save(str(tmp_path / "late.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "late.keras"))
+    assert ledger_lib.ledger_of(loaded).steps == 8 and loaded.optimizer.bands == choice.bands
+    assert loaded.privacy_report().epsilon == pytest.approx(eps, rel=1e-9)
+  from tf_dpnsgd import callbacks as callbacks_lib
+  with pytest.raises(callbacks_lib.PrivacyBudgetExceededError):  # the plan is spent
+    model.fit(x, y, verbose=0)
+  assert ledger_lib.ledger_of(model).steps == 8
+  assert model.privacy_report().epsilon == pytest.approx(eps, rel=1e-9)
