@@ -230,6 +230,58 @@ def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(tmp_path,
   assert any(_name() in note for note in report.notes)
 
 
+# A model saved BEFORE its first fit runs the same stream as the uninterrupted run. (Where the
+# plan is resolved only at fit, load_model has built the optimizer before the plan hands it the
+# correlated noise: having taken no step, it takes fresh buffers, no recompile;
+# tests/test_noise_choice.py. One that took a step with independent noise refuses, below.)
+EARLY = [pytest.param(kind, path, marks=() if (kind, path) == ("sequential", "keras_file")
+                      else pytest.mark.slow)
+         for kind in KINDS for path in ("keras_file", "weights_file", "tf_checkpoint")]
+
+
+@pytest.mark.parametrize("kind,path", EARLY)
+def test_saved_before_the_first_fit_reloads_and_runs_the_same_stream(tmp_path, kind, path):
+  straight_weights, straight_buffers = _straight(kind)
+  base = _build(kind)
+  first = _private(base)
+  assert not first.optimizer.built
+  checkpoint = _save(first, base, path, tmp_path)
+  loaded = _load(path, kind, tmp_path, checkpoint)
+  _fit(loaded, STEPS, _plan())
+  ledger = ledger_lib.ledger_of(loaded)
+  assert ledger.steps == STEPS and ledger.noise_bands == _code()
+  _assert_same(loaded.get_weights(), straight_weights)
+  _assert_same_buffers(_buffers(loaded), straight_buffers)
+  assert loaded.privacy_report().epsilon == pytest.approx(_oracle_epsilon(STEPS), rel=1e-9)
+  loaded.save(str(tmp_path / "after.keras"))  # the adopted buffers travel from now on
+  again = keras.models.load_model(str(tmp_path / "after.keras"))
+  _assert_same_buffers(_buffers(again), straight_buffers)
+
+
+def test_an_optimizer_that_stepped_with_independent_noise_cannot_take_correlated_noise():
+  variables = [tf.Variable(tf.zeros([3]))]
+
+  def take(optimizer):
+    if _blt():
+      optimizer.take_blt_parameters(BLT.parameters())
+    else:
+      optimizer.take_plan_bands(STEPS, BANDS)
+
+  stepped = _optimizer()
+  stepped.build(variables)
+  stepped.iterations.assign(1)
+  with pytest.raises(ValueError, match="taken steps with independent noise"):
+    take(stepped)
+  assert stepped.band_noise is None
+  fresh = _optimizer()
+  fresh.build(variables)  # built, no step: takes the buffers (zeros, position fresh)
+  take(fresh)
+  assert fresh.bands == _code() and fresh.adopted_noise
+  state = {v.name: v.numpy() for v in fresh.variables if v.name.startswith(_prefix() + "_")}
+  assert state and all(not np.any(v) for k, v in state.items() if _is_state(k))
+  np.testing.assert_array_equal(state[f"{_prefix()}_position"], cn.FRESH)
+
+
 # --- the partition: one secret seed per run --------------------------------------------------
 @pytest.mark.slow
 def test_a_new_sampler_seed_cannot_continue_the_partition(tmp_path):

@@ -148,6 +148,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
                     DeprecationWarning, stacklevel=2)
     self._dp_applying = False
     self._noise_key = None
+    self.adopted_noise = False  # set when a built, un-stepped optimizer took correlated noise
 
   def take_noise_multiplier(self, noise_multiplier: float) -> None:
     """Sets the noise multiplier from the model's privacy plan (``noise_multiplier=None``
@@ -190,10 +191,7 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
             "not be the planned mechanism. Leave band_coefficients unset; a plan extended to "
             "more steps cannot continue a correlated-noise run.")
       return
-    if self.built:
-      raise ValueError("The optimizer was built with independent noise; compile the model "
-                       "with a new optimizer to take the plan's correlated noise.")
-    self.band_noise = _correlated.banded_noise(coefficients, self.adaptive_clip)
+    self._adopt_correlated(_correlated.banded_noise(coefficients, self.adaptive_clip))
 
   def take_blt_parameters(self, blt) -> None:
     """Sets the BLT from the model's privacy plan (``make_private(..., noise="blt")``); one
@@ -211,10 +209,26 @@ class PrivateOptimizer(keras.optimizers.Optimizer):
             "for the plan's steps and separation): the correlated stream would not be the "
             "accounted mechanism. Leave blt_parameters (and band_coefficients) unset.")
       return
-    if self.built:
-      raise ValueError("The optimizer was built with independent noise; compile the model "
-                       "with a new optimizer to take the plan's correlated noise.")
-    self.band_noise = _correlated.blt_noise(strategy.parameters(), self.adaptive_clip)
+    self._adopt_correlated(_correlated.blt_noise(strategy.parameters(), self.adaptive_clip))
+
+  def _adopt_correlated(self, band_noise) -> None:
+    """Takes correlated noise in place of independent noise. Before :meth:`build` the buffers
+    come with the rest of the state. A built optimizer (``load_model`` builds the one saved
+    with a model) may take it only while it has taken no step: its buffers then start fresh,
+    as they would have at build, and the step function is retraced (:attr:`adopted_noise`).
+
+    Raises:
+      ValueError: the optimizer has taken a step with independent noise (or is being traced).
+    """
+    if not self.built:
+      self.band_noise = band_noise
+      return
+    if not tf.executing_eagerly() or int(self.iterations.numpy()) != 0:
+      raise ValueError("The optimizer has taken steps with independent noise; compile the "
+                       "model with a new optimizer to take the plan's correlated noise.")
+    self.band_noise = band_noise
+    self.band_noise.build(self, self._trainable_variables)
+    self.adopted_noise = True  # the model drops a step function traced before (training.py)
 
   def take_plan_bands(self, num_steps: int, bands: int) -> None:
     """:meth:`take_band_coefficients` of the strategy optimized for a plan's ``num_steps``

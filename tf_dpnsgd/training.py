@@ -398,6 +398,9 @@ class _DPTrainer:
       self.optimizer.take_blt_parameters(self._dp_plan.blt)
     elif self._dp_plan.bands > 1:  # correlated noise: the plan's banded strategy
       self.optimizer.take_plan_bands(self._dp_plan.num_steps, self._dp_plan.bands)
+    if getattr(self.optimizer, "adopted_noise", False):  # a step traced before has none of it
+      self.train_function = None
+      self.optimizer.adopted_noise = False
     self._dp_plan.check_optimizer(self.optimizer)
 
   @property
