@@ -345,7 +345,7 @@ def weighted_sum(per_unit_grads: Sequence[tf.Tensor], factors: tf.Tensor) -> lis
   for g in per_unit_grads:
     f = tf.cast(factors, g.dtype)
     keep = tf.reshape(f > 0, [-1] + [1] * (len(g.shape) - 1))
-    g = tf.where(keep, g, tf.zeros_like(g))
+    g = tf.where(keep, g, tf.zeros([], g.dtype))  # broadcast: no batch-sized constant
     out.append(tf.tensordot(f, g, axes=[[0], [0]]))
   return out
 

@@ -180,8 +180,7 @@ class _StreamNoise:
         "correlated mechanism cannot continue; train a new model (or restore the optimizer "
         "state saved with the ledger)."])
     seed = noise_lib.step_seed(tf.constant(key, tf.int64), noise_lib.stream(step, user_seeded))
-    z = noise_lib.add_gaussian_noise([tf.zeros(tf.shape(s), tf.float32) for s in summed],
-                                     1.0, seed)  # the draws of the independent mechanism
+    z = noise_lib.standard_normal(summed, seed)  # the draws of the independent mechanism
     # Snapshots (a variable's .value may alias it): every new slot reads the old state.
     state = [[tf.identity(h.value) for h in slot] for slot in self.history]
     w, new_state = self._next(z, state)

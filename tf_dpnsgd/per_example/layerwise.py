@@ -579,7 +579,7 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
   summed = []
   for v in model.trainable_variables:
     if id(v) not in sums:  # in a registered layer that was not called: gradient 0
-      summed.append(tf.zeros(v.shape, v.dtype))
+      summed.append(factored.runtime_zeros(v.shape, v.dtype))
     else:
       summed.append(tf.cast(tf.reshape(sums[id(v)], v.shape), v.dtype))
   return EngineOutput(summed=summed, norms=norms, factors=factors,

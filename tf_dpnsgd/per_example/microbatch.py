@@ -13,6 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example.base import EngineOutput, output_spec
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
@@ -70,7 +71,7 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     return (u + 1, acc, ta_losses.write(u, tf.cast(tf.reshape(losses, [-1]), tf.float32)),
             ta_norms.write(u, norms), ta_factors.write(u, factors), preds)
 
-  init = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
+  init = (tf.constant(0), [factored.runtime_zeros(v.shape, v.dtype) for v in variables],
           new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
           [new_ta(d) for d in pred_dtypes])
   _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_dpnsgd import per_example as per_example_lib
+from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
 
 
@@ -140,7 +141,7 @@ def chunked_contributions(model, engine, transform, x, y, mask, size, length_key
     return (i + 1, acc, ta_losses.write(i, out.losses), ta_norms.write(i, out.norms),
             ta_factors.write(i, out.factors), preds)
 
-  init = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
+  init = (tf.constant(0), [factored.runtime_zeros(v.shape, v.dtype) for v in variables],
           new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
           [new_ta(d) for d in pred_dtypes])
   _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
