@@ -129,7 +129,9 @@ def memory_child(model_name, jit, mode, steps, keep_mib=None, batch=None):
   """Peak RSS of the first ``steps`` steps (tracing included) over the baseline; then, for
   ``steps`` more, the steady state: the peak RSS of those steps alone (Linux' high-water
   mark reset through ``/proc/self/clear_refs``) and the peak of TensorFlow's CPU allocator
-  (the tensors; oneDNN's and XLA's own buffers are outside it)."""
+  (the tensors; oneDNN's and XLA's own buffers are outside it). TensorFlow keeps allocator
+  statistics only with oneDNN on, which it turns off by default on CPUs without AVX-512:
+  there the tensors column is left empty (set ``TF_ENABLE_ONEDNN_OPTS=1`` for it)."""
   import tensorflow as tf
 
   model, x, y = _build(model_name, jit, mode, keep_mib, batch)
@@ -143,12 +145,17 @@ def memory_child(model_name, jit, mode, steps, keep_mib=None, batch=None):
       f.write("5")  # resets VmHWM to the current RSS
   except OSError:
     return out
-  tf.config.experimental.reset_memory_stats("CPU:0")
+  try:
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    allocator_stats = True
+  except ValueError:  # none without oneDNN (off by default on CPUs without AVX-512)
+    allocator_stats = False
   before = _status_mib("VmRSS")
   for _ in range(steps):
     model.train_on_batch(x, y)
-  out.update(steady_rss_before_mib=before, steady_peak_mib=_status_mib("VmHWM"),
-             tensors_peak_mib=tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20)
+  out.update(steady_rss_before_mib=before, steady_peak_mib=_status_mib("VmHWM"))
+  if allocator_stats:
+    out["tensors_peak_mib"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
   return out
 
 
