@@ -24,6 +24,13 @@ included), so that load from other processes hits all alike; the table gives
 medians, each DP mode's ratio of medians to the plain step, and the
 interquartile range of the per-round ratios as a noise gauge.
 
+Floors: in the same rounds, the plain model's forward pass, its backward pass to
+the inputs (every layer's input gradient, no weight gradient) and its full
+gradient, as ``tf.function`` s. A two-pass step repeats at least the first two
+(a second forward pass) or the second alone (a second backward pass over a shared
+forward pass) on top of a plain step; the table under the main one gives those
+lower bounds as multiples of the plain gradient's time (:func:`floors`).
+
 Memory: one more subprocess per (configuration, mode) runs only that model:
 its resident-set high-water mark (``ru_maxrss``) after ``--memory_steps``
 steps, minus the high-water mark before the first step (imports, model,
@@ -90,16 +97,61 @@ def _build(model_name, jit, mode, keep_mib=None, batch=None):
   return model, tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y)
 
 
+def _floor_functions(model, x, y, loss, jit):
+  """The parts of a plain step any two-pass step repeats, as ``tf.function`` s on ``model``.
+
+  ``forward``: forward pass and summed loss; ``to_inputs``: that and the backward
+  pass to the model's first layer, every layer's input gradient but no weight
+  gradient (to the float inputs, or to the embedding tables of token inputs: their
+  sparse gradients cost next to nothing); ``gradient``: the full backward pass.
+  Pass 1 of a two-pass step needs at least ``to_inputs`` (the output gradient
+  of every layer, for its norm), pass 2 at least ``gradient``.
+  """
+  import keras
+  import tensorflow as tf
+
+  inputs = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+  firsts = [v for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)
+            for v in layer.trainable_variables]
+  if not inputs and not firsts:
+    raise ValueError("no float input and no embedding: nothing to take the backward pass to")
+
+  def total():
+    return tf.reduce_sum(loss(y, model(x, training=True)))
+
+  def backward(targets):
+    with tf.GradientTape() as tape:
+      tape.watch(inputs)
+      value = total()
+    return [tf.convert_to_tensor(g) for g in tape.gradient(value, targets)]
+
+  compile_ = lambda fn: tf.function(fn, jit_compile=jit)  # noqa: E731
+  return {"forward": compile_(total),
+          "to_inputs": compile_(lambda: backward(inputs or firsts)),
+          "gradient": compile_(lambda: backward(model.trainable_variables))}
+
+
 def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None):
+  """Step times (``train_on_batch``) of the plain and DP models, and of the plain model's
+  forward pass, backward pass to its inputs and full gradient (:func:`_floor_functions`),
+  all in turn in each round."""
+  from per_example_engines import loss_for
+
   models = {m: _build(model_name, jit, m, keep_mib, batch) for m in ["plain"] + modes}
+  plain, px, py = models["plain"]
+  floors = _floor_functions(plain, px, py, loss_for(model_name), jit)
 
   def step(mode):
-    model, x, y = models[mode]
     start = time.perf_counter()
-    model.train_on_batch(x, y)
+    if mode in floors:
+      for t in floors[mode]() if mode != "forward" else [floors[mode]()]:
+        t.numpy()
+    else:
+      model, x, y = models[mode]
+      model.train_on_batch(x, y)
     return time.perf_counter() - start
 
-  names = list(models)
+  names = list(models) + list(floors)
   for _ in range(warmup):
     for m in names:
       step(m)
@@ -114,7 +166,27 @@ def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None)
     out[f"{m}_ms"] = 1e3 * statistics.median(times[m])
     out[f"{m}_ratio"] = out[f"{m}_ms"] / out["plain_ms"]
     out[f"{m}_iqr"] = [q[0], q[2]]
+  for m in floors:
+    out[f"{m}_ms"] = 1e3 * statistics.median(times[m])
   return out
+
+
+def floors(row):
+  """Lower bounds of a two-pass step's time over a plain step's, before any per-example work.
+
+  ``second_forward`` (``per_example="two_pass"``: pass 1 is a forward pass and the
+  backward pass to the inputs, pass 2 a plain step): ``1 + to_inputs / gradient``.
+  ``shared_forward`` (pass 2 a second backward pass over pass 1's forward pass):
+  ``1 + (to_inputs - forward) / gradient``. Both leave out the norms.
+
+  >>> floors({"forward_ms": 35.0, "to_inputs_ms": 78.0, "gradient_ms": 100.0})
+  {'forward': 0.35, 'backward_to_inputs': 0.43, 'second_forward': 1.78, 'shared_forward': 1.43}
+  """
+  g = row["gradient_ms"]
+  return {"forward": round(row["forward_ms"] / g, 3),
+          "backward_to_inputs": round((row["to_inputs_ms"] - row["forward_ms"]) / g, 3),
+          "second_forward": round(1 + row["to_inputs_ms"] / g, 3),
+          "shared_forward": round(1 + (row["to_inputs_ms"] - row["forward_ms"]) / g, 3)}
 
 
 def _status_mib(field):
@@ -296,6 +368,19 @@ def main(argv=None):
         else:
           fit = " - |"
       print(f"{head}| {mode} | {ms:.0f} | {ratio} | {iqr} | {memory} |{fit}")
+  floor_rows = [r for r in rows if "gradient_ms" in r]
+  if floor_rows:
+    print("\nFloors of a two-pass step, x a plain gradient (the plain model's forward pass, "
+          "backward pass to its inputs and full gradient, timed in the same rounds; no "
+          "per-example work counted):\n")
+    print("| model | batch | XLA | forward | backward to inputs | two passes, second forward "
+          "(>=) | two passes, shared forward (>=) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in floor_rows:
+      f = floors(r)
+      print(f"| {r['model']} | {r['batch']} | {r['jit']} | {f['forward']:.2f} "
+            f"| {f['backward_to_inputs']:.2f} | {f['second_forward']:.2f}x "
+            f"| {f['shared_forward']:.2f}x |")
   if sampler is not None:
     if "error" in sampler:
       print(f"\nPoisson sampler: failed: {sampler['error']}")
