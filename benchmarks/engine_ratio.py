@@ -105,7 +105,11 @@ def _floor_functions(model, x, y, loss, jit):
   gradient (to the float inputs, or to the embedding tables of token inputs: their
   sparse gradients cost next to nothing); ``gradient``: the full backward pass.
   Pass 1 of a two-pass step needs at least ``to_inputs`` (the output gradient
-  of every layer, for its norm), pass 2 at least ``gradient``.
+  of every layer, for its norm), pass 2 at least ``gradient``. Not quite a lower
+  bound: ``to_inputs`` also computes the first layer's input gradient, which pass
+  1 does not need (ResNet20-GN's 3-channel stem convolution: about 1% of the
+  backward pass's multiply-adds), and the token embedding's gradient is made
+  dense in both ``to_inputs`` and ``gradient``.
   """
   import keras
   import tensorflow as tf
