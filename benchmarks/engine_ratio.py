@@ -139,6 +139,7 @@ def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None)
   """Step times (``train_on_batch``) of the plain and DP models, and of the plain model's
   forward pass, backward pass to its inputs and full gradient (:func:`_floor_functions`),
   all in turn in each round."""
+  import tensorflow as tf
   from per_example_engines import loss_for
 
   models = {m: _build(model_name, jit, m, keep_mib, batch) for m in ["plain"] + modes}
@@ -148,7 +149,7 @@ def time_child(model_name, jit, modes, steps, warmup, keep_mib=None, batch=None)
   def step(mode):
     start = time.perf_counter()
     if mode in floors:
-      for t in floors[mode]() if mode != "forward" else [floors[mode]()]:
+      for t in tf.nest.flatten(floors[mode]()):
         t.numpy()
     else:
       model, x, y = models[mode]

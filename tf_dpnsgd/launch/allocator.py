@@ -163,7 +163,6 @@ def maybe_reexec(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
     from tf_dpnsgd.per_example import vectorized  # noqa: PLC0415 (TensorFlow, imported by now)
 
     onednn_enabled = vectorized.onednn_enabled(strict=True) or ONEDNN in env
-  allocator_env = _allocator_environment(env, None, None)
   new = reexec_environment(env, onednn_enabled=onednn_enabled)
   if new is None:  # (the hint once, in the process that goes on)
     if (env.get(OPT_OUT, "").strip().lower() != "system"
@@ -171,7 +170,7 @@ def maybe_reexec(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
       log(f"tf_dpnsgd: {INSTALL_HINT}")
     return False
   argv = list(sys.orig_argv if argv is None else argv)
-  if allocator_env is not None:
+  if new.get("LD_PRELOAD") != env.get("LD_PRELOAD"):
     log(f"tf_dpnsgd: re-executing under {new['LD_PRELOAD'].split(':')[0]} (LD_PRELOAD; "
         f"{OPT_OUT}=system keeps glibc malloc)")
   if new.get(ONEDNN) != env.get(ONEDNN):
