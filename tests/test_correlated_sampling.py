@@ -55,7 +55,8 @@ def test_sampler_draws_within_one_part_per_step():
   s = cs.CyclicPoissonSampler(dataset_size=1000, batch_size=20, bands=5, seed=3)
   parts = [set(s.part(p).tolist()) for p in range(5)]
   assert sorted(sum((list(p) for p in parts), [])) == list(range(1000))  # a partition
-  assert {len(p) for p in parts} == {200}
+  # Parts by keyed hash of identity: sizes Binomial(1000, 1/5) (sd 12.6), not exactly N / b.
+  assert all(abs(len(p) - 200) < 60 for p in parts)
   sizes = []
   for t in range(200):
     idx = s.indices(t)

@@ -258,6 +258,7 @@ def test_nested_inputs():
   xb, yb, tags = next(iter(s.dataset(inputs, y)))
   idx = s.indices(0)
   assert set(tags) == {"dp_kind", "dp_step", "dp_sampler", "dp_seed", "dp_period", "dp_example",
+                       "dp_identity",
                        "dp_digest"}
   np.testing.assert_array_equal(tags["dp_example"].numpy(), idx)
   np.testing.assert_array_equal(tags["dp_step"].numpy(), np.zeros(8))

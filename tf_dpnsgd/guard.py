@@ -16,10 +16,17 @@ which, before Keras' compiled step runs on any batch:
    its rows are the ones the sampler tagged (:mod:`tf_dpnsgd.rows`: the reader
    recomputes each row's content digest; no real row changed after the
    sampler, e.g. by a ``.map`` mixing rows, and none repeats an example);
+   and that every real row may take part in this step by its sampling's rule,
+   checked on the row's example identity (:mod:`tf_dpnsgd.participation`:
+   cyclic Poisson, each row's part is ``t mod b``; shuffling, no example twice
+   in one epoch; every sampling, no example twice in one step);
 4. at the start of every ``fit`` under a multi-worker strategy, checks that
    all workers hold the same ledger step and sampler seed (a collective);
 5. on the first batch after every ``compile``, probes the forward pass:
-   examples that interact (:mod:`tf_dpnsgd.interaction`);
+   examples that interact (:mod:`tf_dpnsgd.interaction`); with ``length_key``,
+   on the call's batches until one has a row shorter than the padded length,
+   rows whose output depends on their padding length
+   (:mod:`tf_dpnsgd.padding_probe`: chunks are cut to their longest row);
    under XLA, for every new batch shape, traces the engine's per-example pass
    with the batch's STATIC shapes (:func:`make_structure_check`), so that
    the engines' shape checks (one row per example: e.g. tokens folded into
@@ -47,6 +54,8 @@ from tf_dpnsgd import distribution
 from tf_dpnsgd import forward_checks
 from tf_dpnsgd import interaction
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import padding_probe
+from tf_dpnsgd import participation
 from tf_dpnsgd import rows as rows_lib
 
 
@@ -56,8 +65,10 @@ class GuardState:
 
   def __init__(self):
     self.probe_pending = True  # probe the next batch (set again by every compile)
+    self.padding_probe_pending = True  # length_key: rows vs their padding (idem)
     self.fit_checks_pending = False  # set by every fit
     self.batch_source = None  # "arrays" while a fit draws from in-memory arrays
+    self.participation = participation.ParticipationCheck()  # who ran in which step
 
   def untagged_allowed(self, model):
     """``(allowed, hint, vouched)`` for an untagged batch in the current call."""
@@ -83,18 +94,20 @@ def _tags_row(tags):
 
 
 def _row_identity(x, y, mask, tags):
-  """``(examples, real, digest_ok)`` per row: the ``dp_example`` tags, the unmasked rows, and
-  whether each row's digest, recomputed now, is the one the sampler tagged."""
+  """``(examples, real, digest_ok, identities)`` per row: the ``dp_example`` tags, the
+  unmasked rows, whether each row's digest, recomputed now, is the one the sampler tagged,
+  and the ``dp_identity`` tags."""
   examples = tf.cast(tags[ledger_lib.DP_EXAMPLE_KEY], tf.int64)
   real = tf.ones_like(examples, tf.bool) if mask is None else tf.cast(mask, tf.bool)
   digest_ok = tf.equal(rows_lib.row_digests((x, y), xla=True),
                        tf.cast(tags[ledger_lib.DP_DIGEST_KEY], tf.int64))
-  return examples, real, digest_ok
+  return examples, real, digest_ok, tf.cast(tags[ledger_lib.DP_IDENTITY_KEY], tf.int64)
 
 
 def make_batch_reader(model):
-  """``fn(data) -> per-replica (int64[8] tag summary, examples, real, digest_ok)``, running
-  the optimizer's step checks (the last three: :func:`_row_identity`, empty if untagged).
+  """``fn(data) -> per-replica (int64[8] tag summary, examples, real, digest_ok,
+  identities)``, running the optimizer's step checks (the last four: :func:`_row_identity`,
+  empty if untagged).
 
   Compiled without XLA (its assertions run), or run eagerly when the model
   runs eagerly.
@@ -116,7 +129,8 @@ def make_batch_reader(model):
     with tf.control_dependencies(checks):
       if tags is None:
         none = tf.zeros([0], tf.int64)
-        return tf.zeros([8], tf.int64), none, tf.cast(none, tf.bool), tf.cast(none, tf.bool)
+        return (tf.zeros([8], tf.int64), none, tf.cast(none, tf.bool), tf.cast(none, tf.bool),
+                none)
       return (tf.identity(_tags_row(tags)),) + _row_identity(x, y, mask, tags)
 
   def read(data):
@@ -128,20 +142,37 @@ def make_batch_reader(model):
 
 
 def summarize(reader, strategy, data) -> tuple:
-  """The host's ``(BatchSummary, RowCheck)`` of one (possibly distributed) batch: its tags
-  (:class:`~tf_dpnsgd.ledger.BatchSummary`) and its rows over all local replicas
-  (:class:`~tf_dpnsgd.rows.RowCheck`)."""
+  """The host's ``(BatchSummary, RowCheck, identities)`` of one (possibly distributed)
+  batch: its tags (:class:`~tf_dpnsgd.ledger.BatchSummary`), its rows over all local
+  replicas (:class:`~tf_dpnsgd.rows.RowCheck`) and the identities of its real rows
+  (:mod:`tf_dpnsgd.participation`; None if untagged)."""
   _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   tagged = isinstance(sample_weight, dict) and ledger_lib.DP_KIND_KEY in sample_weight
-  summary, examples, real, digest_ok = (
+  summary, examples, real, digest_ok, identities = (
       [np.asarray(v) for v in strategy.experimental_local_results(part)]
       for part in reader(data))
   if not tagged:
-    return ledger_lib.BatchSummary(False), rows_lib.RowCheck()
+    return ledger_lib.BatchSummary(False), rows_lib.RowCheck(), None
   merged = ledger_lib.BatchSummary.merge(
       ledger_lib.BatchSummary(True, *[int(v) for v in t]) for t in summary)
-  return merged, rows_lib.count_problems(np.concatenate(examples), np.concatenate(real),
-                                         np.concatenate(digest_ok))
+  real = np.concatenate(real).astype(bool)
+  return (merged, rows_lib.count_problems(np.concatenate(examples), real,
+                                          np.concatenate(digest_ok)),
+          np.concatenate(identities)[real])
+
+
+def check_participation(state, ledger, summaries, identities) -> list:
+  """Each tagged batch's real rows may run in its step by its sampling's rule, checked on
+  their identities (:class:`tf_dpnsgd.participation.ParticipationCheck`); returns what to
+  commit once the steps ran. Raises before any op of the step."""
+  records = []
+  for offset, (summary, ids) in enumerate(zip(summaries, identities)):
+    if not summary.tagged:
+      continue
+    kind = ledger_lib.KIND_NAMES[summary.kind]
+    records.append(state.participation.check(kind, ledger.steps + offset, summary.period,
+                                             summary.seed_min, ids, offset))
+  return records
 
 
 def _check_workers(strategy, ledger, summary) -> None:
@@ -235,6 +266,7 @@ def wrap(model, main):
   strategy = model.distribute_strategy
   reader = make_batch_reader(model)
   probe = interaction.make_probe_function(model)
+  padding = padding_probe.make_padding_probe_function(model)  # None without length_key
   structure = make_structure_check(model)
 
   def function(iterator):
@@ -242,7 +274,8 @@ def wrap(model, main):
     batches = _take(iterator, max(1, int(model.steps_per_execution)))
     if getattr(model, "_dp_engine", None) is None:
       _build_and_choose_engine(model, batches[0])
-    summaries, row_checks = zip(*[summarize(reader, strategy, data) for data in batches])
+    summaries, row_checks, identities = zip(*[summarize(reader, strategy, data)
+                                              for data in batches])
     if state.fit_checks_pending:
       _check_workers(strategy, ledger, summaries[0])
       state.fit_checks_pending = False
@@ -252,20 +285,26 @@ def wrap(model, main):
       ledger.check_batch(summary, offset, untagged_allowed=allowed, untagged_hint=hint)
     for offset, row_check in enumerate(row_checks):
       rows_lib.check_rows(row_check, offset)
+    participations = check_participation(state, ledger, summaries, identities)
     if state.probe_pending:
       tested, interacting = probe(batches[0])
       if any(bool(t) for t in strategy.experimental_local_results(interacting)):
         raise interaction.ExampleInteractionError(
             interaction.interaction_message(f"model '{model.name}'"))
       state.probe_pending = not any(bool(t) for t in strategy.experimental_local_results(tested))
+    if padding is not None and state.padding_probe_pending:  # chunks cut only if rows allow
+      state.padding_probe_pending = padding_probe.check_batches(padding, model, batches)
     for data in batches:
       structure(data)
     if vouched and any(not s.tagged for s in summaries):
       ledger.add_flags(coverage.UNVERIFIED_BATCHES)
     try:
-      return main(batches)
+      out = main(batches)
     finally:
       ledger.after_steps()
+    for record in participations:
+      state.participation.commit(record)
+    return out
 
   return function
 

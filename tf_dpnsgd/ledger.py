@@ -65,10 +65,13 @@ Batch tags. A sampler's batch is ``(x, y, tags)`` with ``tags`` a dict of
 per-row tensors (per row so that ``tf.distribute`` can split them):
 ``dp_kind`` (:data:`KIND_CODES`), ``dp_step`` (the sampler's step ``t``),
 ``dp_sampler`` (:func:`sampler_fingerprint`), ``dp_seed``
-(:func:`seed_hash` of the sampler seed), ``dp_period`` (steps per epoch of
-a shuffle sampler, 0 otherwise), ``dp_example`` (the row's example index) and
-``dp_digest`` (its content digest, :mod:`tf_dpnsgd.rows`); Poisson only (and
-padded batches): ``dp_mask`` and ``dp_denominator``.
+(:meth:`tf_dpnsgd.sampling.Sampler.seed_tag`: :func:`seed_hash` of the sampler
+seed, with the data set's identity digest for shuffling and cyclic Poisson),
+``dp_period`` (steps per epoch of a shuffle sampler, ``b`` for cyclic Poisson, 0
+otherwise), ``dp_example`` (the row's example index), ``dp_identity`` (the
+example's identity, :mod:`tf_dpnsgd.participation`) and ``dp_digest`` (its content
+digest, :mod:`tf_dpnsgd.rows`); Poisson only (and padded batches): ``dp_mask`` and
+``dp_denominator``.
 
 Formal guarantee of the host checks (:meth:`PrivacyLedger.check_batch`): a
 step runs only if
@@ -115,9 +118,10 @@ DP_SAMPLER_KEY = "dp_sampler"
 DP_SEED_KEY = "dp_seed"
 DP_PERIOD_KEY = "dp_period"
 DP_EXAMPLE_KEY = "dp_example"
-DP_DIGEST_KEY = "dp_digest"  # row identity, checked by the guard (tf_dpnsgd.rows)
+DP_DIGEST_KEY = "dp_digest"  # row content, checked by the guard (tf_dpnsgd.rows)
+DP_IDENTITY_KEY = "dp_identity"  # the example's identity (tf_dpnsgd.participation)
 TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY,
-            DP_EXAMPLE_KEY, DP_DIGEST_KEY)
+            DP_EXAMPLE_KEY, DP_DIGEST_KEY, DP_IDENTITY_KEY)
 BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
@@ -208,22 +212,25 @@ def seed_must_match(kind: str, steps: int, period: int) -> bool:
 
 _NEW_SEED_MESSAGES = {
     "shuffle": (
-        "tf_dpnsgd: this shuffle batch comes from a sampler with another seed than the steps "
-        "in the model's privacy ledger. A new seed is a new permutation, so examples would "
-        "run twice in one epoch (shuffle accounting assumes at most once). Resume with the "
-        "original plan's seed: PrivacyPlan(..., seed=<the seed of the first run>), kept as "
-        "secret as the data (plan.seed), or use sampling='poisson', whose steps are "
-        "independent whatever the seed."),
+        "tf_dpnsgd: this shuffle batch comes from a sampler with another seed, or over other "
+        "data (examples added, removed or edited), than the steps in the model's privacy "
+        "ledger within this epoch. A new seed or data set is a new permutation, so examples "
+        "would run twice in one epoch (shuffle accounting assumes at most once). Finish the "
+        "epoch on the same data (any order) with the original plan's seed: "
+        "PrivacyPlan(..., seed=<the seed of the first run>), kept as secret as the data "
+        "(plan.seed), or use sampling='poisson', whose steps are independent whatever the "
+        "seed."),
     "cyclic_poisson": (
-        "tf_dpnsgd: this cyclic-Poisson batch comes from a sampler with another seed than the "
-        "steps in the model's privacy ledger. A new seed is a new secret partition of the data, "
-        "so an example could take part in two steps fewer than `bands` apart: the banded "
-        "noise's sensitivity and its accounting hold for one partition per run (a model "
-        "reloaded with make_private's own plan draws a new seed; the seed is never saved). "
-        "Resume with the original plan's seed: plan = PrivacyPlan(..., sampling="
-        "'cyclic_poisson', bands=b, seed=<the first run's plan.seed>), kept as secret as the "
-        "data, and model.fit(plan.dataset(x, y, model=model), **plan.fit_kwargs(model)); or "
-        "train a new model."),
+        "tf_dpnsgd: this cyclic-Poisson batch comes from a sampler with another seed, or over "
+        "other data (examples added, removed or edited; the same examples in any order are "
+        "fine), than the steps in the model's privacy ledger. A new seed or data set is a "
+        "new partition of the data, so an example could take part in two steps fewer than "
+        "`bands` apart: the banded noise's sensitivity and its accounting hold for one "
+        "partition per run (a model reloaded with make_private's own plan draws a new seed; "
+        "the seed is never saved). Resume on the same examples with the original plan's "
+        "seed: plan = PrivacyPlan(..., sampling='cyclic_poisson', bands=b, seed=<the first "
+        "run's plan.seed>), kept as secret as the data, and model.fit(plan.dataset(x, y, "
+        "model=model), **plan.fit_kwargs(model)); or train a new model."),
 }
 
 
@@ -755,7 +762,7 @@ def parse_batch_weights(sample_weight):
 
 
 __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
-           "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_PERIOD_KEY",
+           "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_IDENTITY_KEY", "DP_PERIOD_KEY",
            "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
            "sampler_fingerprint", "seed_hash"]

@@ -1,6 +1,6 @@
 """Batch samplers that name the dp-accounting event they realise.
 
-This module is long (about 470 lines): the three samplers share one base class (index
+This module is long (about 645 lines): the three samplers share one base class (index
 streams, tags, the ``tf.data`` pipeline), kept in one file with the event each realises.
 
 A privacy claim is only as good as the match between how batches were drawn
@@ -74,6 +74,7 @@ from tf_dpnsgd import augmentation as augmentation_lib
 from tf_dpnsgd import distribution
 from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import participation
 from tf_dpnsgd import rows as rows_lib
 from tf_dpnsgd.ledger import DP_DENOMINATOR_KEY, DP_MASK_KEY
 
@@ -217,9 +218,27 @@ class Sampler:
   def _rng(self, counter: int) -> np.random.Generator:
     return np.random.default_rng([self.seed, _TAGS[self.sampling], int(counter)])
 
-  def indices(self, step: int) -> np.ndarray:
-    """Sorted distinct example indices of step ``step`` (a pure function of seed and step)."""
+  def indices(self, step: int, population: Optional[participation.Population] = None
+              ) -> np.ndarray:
+    """Sorted distinct example indices (positions) of step ``step``: a pure function of
+    the seed, the step and, for structured samplings, the examples' identities
+    (``population``, :class:`tf_dpnsgd.participation.Population`; default: the positions
+    ``0..N-1`` as identities, for a sampler used without data)."""
     raise NotImplementedError
+
+  def _population(self, population) -> participation.Population:
+    if population is None:
+      return participation.Population.of_positions(self.dataset_size)
+    if population.size != self.dataset_size:
+      raise ValueError(f"This sampler was built for N = {self.dataset_size} examples, but the "
+                       f"data holds {population.size}.")
+    return population
+
+  def population(self, x, y, example_ids=None) -> participation.Population:
+    """The identities of the examples ``(x, y)`` (:class:`tf_dpnsgd.participation.Population`):
+    their content digests, or ``example_ids`` (distinct ints or strings, one per example)."""
+    self._check_data(x, y)
+    return self._population(participation.Population.of_data(x, y, example_ids))
 
   def _check_step(self, step) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -236,9 +255,9 @@ class Sampler:
     return iter(range(start_step, start_step + int(num_steps)))
 
   # --- batches -----------------------------------------------------------
-  def _element_indices(self, step: int):
+  def _element_indices(self, step: int, population=None):
     """``(indices, mask_or_None)`` for the element of step ``step``."""
-    return self.indices(step), None
+    return self.indices(step, population), None
 
   def _check_data(self, x, y):
     for name, part in (("x", x), ("y", y)):
@@ -248,7 +267,7 @@ class Sampler:
                          f"`{name}` has {n}. Accounting with the wrong N is wrong accounting.")
 
   def numpy_batches(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
-                    num_replicas: int = 1) -> Iterator[tuple]:
+                    num_replicas: int = 1, example_ids=None) -> Iterator[tuple]:
     """Yields the batches of steps ``start_step, start_step + 1, ...`` as NumPy structures.
 
     ``x`` and ``y`` are arrays or nested structures of arrays with ``N`` rows.
@@ -257,15 +276,16 @@ class Sampler:
     row, so that ``tf.distribute`` can split it with the batch. ``num_replicas``:
     see :meth:`dataset`.
     """
-    self._check_data(x, y)
+    population = self.population(x, y, example_ids)
     rows = self._padded_rows(num_replicas)
     for step in self._step_range(start_step, num_steps):
-      idx, mask = self._replica_padded(step, rows)
+      idx, mask = self._replica_padded(step, rows, population)
       xb = tf.nest.map_structure(lambda a: _take_rows(a, idx), x)
       yb = tf.nest.map_structure(lambda a: _take_rows(a, idx), y)
-      tags = {k: np.asarray(v) for k, v in self.tags(step, rows).items()}
-      tags[ledger_lib.DP_EXAMPLE_KEY] = (idx if mask is None else np.where(mask, idx, -1)
-                                        ).astype(np.int64)  # padding: -1
+      tags = {k: np.asarray(v) for k, v in self.tags(step, rows, population).items()}
+      real = np.ones(idx.size, bool) if mask is None else mask
+      tags[ledger_lib.DP_EXAMPLE_KEY] = np.where(real, idx, -1).astype(np.int64)  # padding: -1
+      tags[ledger_lib.DP_IDENTITY_KEY] = np.where(real, population.identities[idx], -1)
       tags[ledger_lib.DP_DIGEST_KEY] = rows_lib.row_digests((xb, yb)).numpy()
       if mask is not None:
         # Keras' generator adapter needs rank >= 1; the train step reads element 0.
@@ -275,7 +295,7 @@ class Sampler:
 
   def dataset(self, x, y, start_step: int = 0, num_steps: Optional[int] = None,
               prefetch: int = 2, num_replicas: int = 1, replica_id: Optional[int] = None,
-              augment=None, multiplicity: int = 1) -> tf.data.Dataset:
+              augment=None, multiplicity: int = 1, example_ids=None) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of the batches from step ``start_step`` on (see :meth:`numpy_batches`).
 
     Every element has a static shape (``max_batch_size`` rows for Poisson),
@@ -304,9 +324,15 @@ class Sampler:
     ``augment``: ``fn(x_i, y_i, seed) -> x_i'``, applied to each row alone before
     the rows are batched and tagged; ``multiplicity=K``: ``K`` views of each
     example on a new axis 1 (see :mod:`tf_dpnsgd.augmentation`).
+
+    Participation is by example identity (:mod:`tf_dpnsgd.participation`): the content
+    digest of each ``(x_i, y_i)``, or ``example_ids`` (distinct ints or strings, one per
+    example). The same examples in another order give the same batches (shuffling's
+    permutations and cyclic Poisson's parts are of the examples, not of positions); every
+    row is tagged with its identity (``dp_identity``) for the guard's check.
     """
     aug = augmentation_lib.make(augment, multiplicity)
-    self._check_data(x, y)
+    population = self.population(x, y, example_ids)
     first_step = start_step if callable(start_step) else (lambda: start_step)
     self._step_range(first_step(), num_steps)  # validates now rather than inside tf.data
     x_t = tf.nest.map_structure(_as_tensor, x)
@@ -316,7 +342,7 @@ class Sampler:
     rows = shard.stop - shard.start
 
     def one(step):
-      idx, mask = self._replica_padded(step, padded)
+      idx, mask = self._replica_padded(step, padded, population)
       mask = np.ones(padded, bool) if mask is None else mask
       return step, idx[shard].astype(np.int64), mask[shard]
 
@@ -352,8 +378,9 @@ class Sampler:
 
     kind = ledger_lib.KIND_CODES[self.sampling]
     fingerprint = self.fingerprint
-    seed_tag = self.seed_hash
+    seed_tag = self.seed_tag(population)
     period = self.tag_period
+    identities = tf.constant(population.identities, tf.int64)
 
     def gather(step, idx, mask):
       return (step, idx, mask, tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t),
@@ -366,6 +393,8 @@ class Sampler:
               ledger_lib.DP_SEED_KEY: tf.fill([rows], tf.constant(seed_tag, tf.int64)),
               ledger_lib.DP_PERIOD_KEY: tf.fill([rows], tf.constant(period, tf.int64)),
               ledger_lib.DP_EXAMPLE_KEY: tf.where(mask, idx, tf.constant(-1, tf.int64)),
+              ledger_lib.DP_IDENTITY_KEY: tf.where(mask, tf.gather(identities, idx),
+                                                   tf.constant(-1, tf.int64)),
               ledger_lib.DP_DIGEST_KEY: rows_lib.row_digests((xb, yb), xla=True)}
       if with_mask:
         tags[DP_MASK_KEY] = mask
@@ -387,9 +416,9 @@ class Sampler:
   def _padded_rows(self, num_replicas) -> int:
     return distribution.padded_rows(self._rows_per_element, num_replicas)
 
-  def _replica_padded(self, step: int, rows: int):
+  def _replica_padded(self, step: int, rows: int, population=None):
     """:meth:`_element_indices` padded to ``rows`` (padding: index 0, mask False)."""
-    idx, mask = self._element_indices(step)
+    idx, mask = self._element_indices(step, population)
     extra = rows - idx.size
     if extra == 0:
       return idx, mask
@@ -407,19 +436,36 @@ class Sampler:
     """:func:`tf_dpnsgd.ledger.seed_hash` of the secret seed (the ledger keeps the hash)."""
     return ledger_lib.seed_hash(self.seed)
 
+  def seed_tag(self, population=None) -> int:
+    """The public ``dp_seed`` tag of this sampler's batches over ``population``: the seed
+    hash, and for a structured sampling (:attr:`structured`) the data set's
+    :func:`~tf_dpnsgd.participation.multiset_digest` too, so that the ledger, which pins
+    the tag (:func:`tf_dpnsgd.ledger.seed_must_match`), refuses other data as it refuses
+    another seed."""
+    if not self.structured:
+      return self.seed_hash
+    digest = self._population(population).digest
+    return max(int(participation.mix([self.seed_hash], digest)[0]), 1)
+
+  @property
+  def structured(self) -> bool:
+    """Whether participation is structured (an example's steps depend on the others'):
+    shuffling and cyclic Poisson; Poisson and uniform steps are independent draws."""
+    return False
+
   @property
   def tag_period(self) -> int:
     """Steps per epoch for shuffling (the ledger lets a new seed start only a new epoch), else 0."""
     return self.steps_per_epoch if self.sampling == "shuffle" else 0
 
-  def tags(self, step: int, rows: int) -> dict:
+  def tags(self, step: int, rows: int, population=None) -> dict:
     """The per-row step tags of step ``step``'s batch (see :mod:`tf_dpnsgd.ledger`; the row
-    identity tags, ``dp_example`` and ``dp_digest``, depend on the rows)."""
+    identity tags, ``dp_example``, ``dp_identity`` and ``dp_digest``, depend on the rows)."""
     return {ledger_lib.DP_KIND_KEY: np.full([rows], ledger_lib.KIND_CODES[self.sampling],
                                             np.int32),
             ledger_lib.DP_STEP_KEY: np.full([rows], step, np.int64),
             ledger_lib.DP_SAMPLER_KEY: np.full([rows], self.fingerprint, np.int64),
-            ledger_lib.DP_SEED_KEY: np.full([rows], self.seed_hash, np.int64),
+            ledger_lib.DP_SEED_KEY: np.full([rows], self.seed_tag(population), np.int64),
             ledger_lib.DP_PERIOD_KEY: np.full([rows], self.tag_period, np.int64)}
 
   @property
@@ -500,18 +546,18 @@ class PoissonSampler(Sampler):
   def _rows_per_element(self) -> int:
     return self.max_batch_size
 
-  def indices(self, step: int) -> np.ndarray:
+  def indices(self, step: int, population=None) -> np.ndarray:
     step = self._check_step(step)
     include = self._rng(step).random(self.dataset_size) < self.sampling_rate
     return np.flatnonzero(include)
 
-  def padded_indices(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+  def padded_indices(self, step: int, population=None) -> tuple[np.ndarray, np.ndarray]:
     """``(indices[max_batch_size], mask[max_batch_size])``; padding is index 0, mask False.
 
     Raises:
       PoissonOverflowError: the batch has more than ``max_batch_size`` examples.
     """
-    idx = self.indices(step)
+    idx = self.indices(step, population)
     if idx.size > self.max_batch_size:
       raise PoissonOverflowError(
           f"Poisson batch of step {step} has {idx.size} examples, more than max_batch_size "
@@ -523,8 +569,8 @@ class PoissonSampler(Sampler):
     mask[:idx.size] = True
     return padded, mask
 
-  def _element_indices(self, step: int):
-    return self.padded_indices(step)
+  def _element_indices(self, step: int, population=None):
+    return self.padded_indices(step, population)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,7 +584,7 @@ class UniformSampler(Sampler):
 
   sampling: ClassVar[str] = "uniform"
 
-  def indices(self, step: int) -> np.ndarray:
+  def indices(self, step: int, population=None) -> np.ndarray:
     step = self._check_step(step)
     return np.sort(self._rng(step).choice(self.dataset_size, self.batch_size, replace=False))
 
@@ -558,21 +604,30 @@ class ShuffleSampler(Sampler):
     """``N mod B`` examples (a random set, new every epoch) are not in any batch of an epoch."""
     return self.dataset_size % self.batch_size
 
-  def permutation(self, epoch: int) -> np.ndarray:
-    return self._rng(self._check_step(epoch)).permutation(self.dataset_size)
+  @property
+  def structured(self) -> bool:
+    return True
 
-  def indices(self, step: int) -> np.ndarray:
+  def permutation(self, epoch: int, population=None) -> np.ndarray:
+    """Positions in epoch ``epoch``'s order: the examples sorted by a hash of the secret
+    seed, the epoch and their identity (:func:`tf_dpnsgd.participation.epoch_order`), so
+    the same examples in another order are the same permutation of examples."""
+    population = self._population(population)
+    key = int(participation.mix([self.seed], _TAGS[self.sampling])[0])
+    return participation.epoch_order(population.identities, key, self._check_step(epoch))
+
+  def indices(self, step: int, population=None) -> np.ndarray:
     step = self._check_step(step)
     epoch, position = divmod(step, self.steps_per_epoch)
-    perm = self._cached_permutation(epoch)
+    perm = self._cached_permutation(epoch, self._population(population))
     return np.sort(perm[position * self.batch_size:(position + 1) * self.batch_size])
 
-  def _cached_permutation(self, epoch: int) -> np.ndarray:
+  def _cached_permutation(self, epoch: int, population) -> np.ndarray:
     cache = self.__dict__.get("_perm_cache")
-    if cache is None or cache[0] != epoch:
-      cache = (epoch, self.permutation(epoch))
+    if cache is None or cache[:2] != (epoch, population.layout):
+      cache = (epoch, population.layout, self.permutation(epoch, population))
       self.__dict__["_perm_cache"] = cache  # a memo of a pure function; the sampler stays frozen
-    return cache[1]
+    return cache[2]
 
 
 SAMPLERS = {cls.sampling: cls for cls in (PoissonSampler, UniformSampler, ShuffleSampler)}

@@ -519,6 +519,7 @@ class _DPTrainer:
     self._dp_engine = None  # chosen from the built layers (a subclassed model: at fit)
     self._dp_resolve_engine()
     self._dp_guard.probe_pending = True  # probe the next batch
+    self._dp_guard.padding_probe_pending = True  # length_key: rows vs padding
     if self._dp_owned_plan is not None and self._dp_plan is None \
         and self._dp_owned_plan.dataset_size is not None:
       self._dp_plan = self._dp_owned_plan.resolve(self._dp_owned_plan.dataset_size,

@@ -1,11 +1,15 @@
 """Cyclic Poisson sampling (b-min-separation) and the checks that bind correlated noise.
 
-:class:`CyclicPoissonSampler`: a secret seeded permutation splits the ``N``
-examples into ``b`` parts (sizes differ by at most one); step ``t`` includes
-each example of part ``t mod b`` independently with probability
-``q_b = B / (N / b) = bB/N`` (expected batch size ``B``, padded and masked
-like :class:`tf_dpnsgd.sampling.PoissonSampler`, divided by the constant
-``B``). An example can take part only in steps ``b`` apart: with a
+:class:`CyclicPoissonSampler`: each example belongs to part
+``mix(key, identity) mod b`` (:func:`tf_dpnsgd.participation.part_of`: a function of
+the example's identity, its content digest or the user's id, never of its position,
+so reordered, reshuffled or reloaded data keep every example in its part; parts have
+``N / b`` examples in expectation); step ``t`` includes each example of part
+``t mod b`` independently with probability ``q_b = bB/N`` (expected batch size ``B``,
+padded and masked like :class:`tf_dpnsgd.sampling.PoissonSampler`, divided by the
+constant ``B``). The guard recomputes every row's part from its ``dp_identity`` tag
+before each step (:class:`tf_dpnsgd.participation.ParticipationCheck`). An example can
+take part only in steps ``b`` apart: with a
 ``b``-banded strategy of unit column norm (:mod:`tf_dpnsgd.correlated.strategy`)
 its participations touch disjoint coordinates of ``C x``.
 
@@ -31,10 +35,10 @@ import numpy as np
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
+from tf_dpnsgd import participation
 from tf_dpnsgd import sampling as sampling_lib
 
 _TAG = 0xC1C1  # this sampler's streams (the Poisson draws of each step)
-_PERMUTATION_TAG = 0xC1C2  # the secret partition
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +64,11 @@ class CyclicPoissonSampler(sampling_lib.PoissonSampler):
       raise ValueError(f"`bands` must be an integer in [1, N / B]; got {b!r}.")
     if self.spec is not None and self.spec.bands != b:
       raise ValueError(f"`spec` accounts for bands={self.spec.bands}, this sampler draws {b}.")
-    if self.max_batch_size is None:  # a part has at most ceil(N / b) examples
+    if self.max_batch_size is None:
+      # Over the keyed partition and the draws, a step's batch size is Binomial(N, B/N)
+      # (each example is in the step's part w.p. 1/b, then drawn w.p. bB/N).
       object.__setattr__(self, "max_batch_size", sampling_lib.poisson_max_batch_size(
-          -(-self.dataset_size // b), self.sampling_rate, self.overflow_probability))
+          self.dataset_size, self.batch_size / self.dataset_size, self.overflow_probability))
     super().__post_init__()
 
   @property
@@ -92,18 +98,28 @@ class CyclicPoissonSampler(sampling_lib.PoissonSampler):
   def _rng(self, counter: int) -> np.random.Generator:
     return np.random.default_rng([self.seed, _TAG, int(counter)])
 
-  def part(self, index: int) -> np.ndarray:
-    """Sorted example indices of part ``index`` (of the secret permutation)."""
-    cache = self.__dict__.get("_parts")
-    if cache is None:
-      perm = np.random.default_rng([self.seed, _PERMUTATION_TAG]).permutation(self.dataset_size)
-      cache = [np.sort(perm[p::self.bands]) for p in range(self.bands)]
-      self.__dict__["_parts"] = cache  # a memo of a pure function; the sampler stays frozen
-    return cache[int(index)]
+  @property
+  def structured(self) -> bool:
+    return True
 
-  def indices(self, step: int) -> np.ndarray:
+  @property
+  def tag_period(self) -> int:
+    """``b``: the guard checks each row's part against ``t mod b``."""
+    return self.bands
+
+  def part(self, index: int, population=None) -> np.ndarray:
+    """Sorted positions of the examples of part ``index`` (by identity, see the module doc)."""
+    population = self._population(population)
+    cache = self.__dict__.get("_parts")
+    if cache is None or cache[0] != population.layout:
+      parts = participation.part_of(population.identities, self.seed_tag(population), self.bands)
+      cache = (population.layout, [np.flatnonzero(parts == p) for p in range(self.bands)])
+      self.__dict__["_parts"] = cache  # a memo of a pure function; the sampler stays frozen
+    return cache[1][int(index)]
+
+  def indices(self, step: int, population=None) -> np.ndarray:
     step = self._check_step(step)
-    members = self.part(step % self.bands)
+    members = self.part(step % self.bands, population)
     return members[self._rng(step).random(members.size) < self.sampling_rate]
 
 

@@ -11,7 +11,11 @@ whose output for an example does not depend on its padding positions
 (attention masking the padding, a [CLS] or masked pooling): every example's
 gradient is then unchanged (docs/per_example.md, "Text batches at their real
 length"). The sum, the noise and the ledger are those of the logical batch;
-the per-example outputs are returned in the batch's own order.
+the per-example outputs are returned in the batch's own order. For a model
+that does not mask its padding the cut is a privacy failure, not an accuracy
+one (one example's length changes the other rows' gradients in its chunk):
+the guard refuses such models before the first step
+(:mod:`tf_dpnsgd.padding_probe`).
 """
 
 from __future__ import annotations
@@ -64,8 +68,23 @@ def trim_to_longest(x, length_key):
   >>> trim_to_longest(x, "padding_mask")["token_ids"].numpy().tolist()
   [[5, 0], [6, 7]]
   """
-  length = x[length_key].shape[1]
   n = tf.maximum(tf.reduce_max(sequence_lengths(x[length_key])), 1)
+  return cut_to_length(x, length_key, n)
+
+
+def cut_to_length(x, length_key, n):
+  """``x``'s sequence tensors cut to their first ``n`` positions, as :func:`trim_to_longest`.
+
+  Every tensor of the dict ``x`` whose axis 1 has ``x[length_key]``'s static
+  length is sliced to ``[:, :n]``; other tensors are returned as they are.
+  The padding probe (:mod:`tf_dpnsgd.padding_probe`) cuts with this same
+  function, so it tests the cut the step makes.
+
+  >>> x = {"padding_mask": tf.constant([[1, 0, 0]]), "label": tf.constant([[4]])}
+  >>> {k: v.shape.as_list() for k, v in cut_to_length(x, "padding_mask", 2).items()}
+  {'padding_mask': [1, 2], 'label': [1, 1]}
+  """
+  length = x[length_key].shape[1]
   return {k: (t[:, :n] if len(t.shape) >= 2 and t.shape[1] == length else t)
           for k, t in x.items()}
 
@@ -163,4 +182,4 @@ def chunked_contributions(model, engine, transform, x, y, mask, size, length_key
 
 
 __all__ = ["check_length_key", "chunk_rows", "chunked_contributions", "contributions",
-           "gather_rows", "sequence_lengths", "trim_to_longest"]
+           "cut_to_length", "gather_rows", "sequence_lengths", "trim_to_longest"]
