@@ -9,7 +9,9 @@ import dp_accounting
 import pytest
 from absl import flags
 
+import tf_dpnsgd
 from tf_dpnsgd import accounting
+from tf_dpnsgd import owned_plan
 from tf_dpnsgd.launch import privacy
 
 CIFAR = ["--dataset_size=50000", "--batch_size=1000", "--epochs=100", "--delta=1e-5"]
@@ -71,11 +73,45 @@ def test_json_output_matches_dp_accounting_rdp(parse, capsys):
   assert abs(d["optimal_order"] - order) <= 2  # 11.5 and 11
 
 
-def test_steps_from_epochs_is_floor(parse, capsys):
-  out = run_main(parse, ["--dataset_size=67349", "--batch_size=1000", "--epochs=10",
-                         "--delta=1e-5", "--noise_multiplier=0.635", "--sampling=poisson",
+@pytest.mark.parametrize("n,b,epochs,sampling,steps", [
+    (1437, 128, 40, "poisson", 440),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in (
+        (67349, 1000, 10, "poisson", 670), (1000, 400, 3, "shuffle", 6),
+        (1000, 400, 3, "uniform", 9))]])
+def test_one_count_of_steps_everywhere(parse, capsys, n, b, epochs, sampling, steps):
+  """The CLI, compute_epsilon, calibrate, PrivacyPlan and make_private's plan count the same
+  steps for the same epochs (floor(epochs * round(N / B)), N // B for shuffle) and calibrate
+  the same sigma; the old floor(epochs * N / B) differed (673, 449, 7, 7)."""
+  out = run_main(parse, [f"--dataset_size={n}", f"--batch_size={b}", f"--epochs={epochs}",
+                         "--delta=1e-6", "--target_epsilon=4", f"--sampling={sampling}",
                          "--json"], capsys)
-  assert json.loads(out.out)["steps"] == 673
+  cli = json.loads(out.out)
+  plan = tf_dpnsgd.PrivacyPlan(dataset_size=n, batch_size=b, sampling=sampling, delta=1e-6,
+                               epochs=epochs, target_epsilon=4.0, seed=0)
+  owned = owned_plan.PlanRequest(delta=1e-6, batch_size=b, target_epsilon=4.0, epochs=epochs,
+                                 sampling=sampling).resolve(n, seed=0)
+  report = accounting.calibrate(n, b, 4.0, 1e-6, sampling, epochs=epochs)
+  assert cli["steps"] == plan.num_steps == owned.num_steps == report.steps == steps
+  assert accounting.compute_epsilon(n, b, 1.0, 1e-6, sampling, epochs=epochs).steps == steps
+  assert cli["noise_multiplier"] == pytest.approx(plan.training_noise_multiplier, abs=1e-3)
+  assert owned.training_noise_multiplier == plan.training_noise_multiplier
+
+
+def test_delta_at_or_above_one_over_n_is_refused_everywhere(parse, capsys):
+  """(epsilon, delta) with delta >= 1/N allows publishing about one example: refused by the
+  CLI, compute_epsilon, calibrate, PrivacyPlan and make_private's plan (before training)."""
+  with pytest.raises(SystemExit) as info:
+    run_main(parse, ["--dataset_size=8000", "--batch_size=256", "--epochs=1", "--delta=1e-3",
+                     "--noise_multiplier=1", "--sampling=poisson"], capsys)
+  assert info.value.code == 2 and "1/N" in capsys.readouterr().err
+  for call in (lambda: accounting.compute_epsilon(8000, 256, 1.0, 1e-3, "poisson", steps=3),
+               lambda: accounting.calibrate(8000, 256, 4.0, 1.25e-4, "poisson", steps=3),
+               lambda: tf_dpnsgd.PrivacyPlan(dataset_size=8000, batch_size=256, delta=1e-3,
+                                             sampling="poisson", epochs=1, noise_multiplier=1.0),
+               lambda: owned_plan.PlanRequest(delta=1e-3, batch_size=256, noise_multiplier=1.0,
+                                              epochs=1).resolve(8000)):
+    with pytest.raises(ValueError, match="not below 1/N"):
+      call()
 
 
 @pytest.mark.slow

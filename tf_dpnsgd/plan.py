@@ -110,13 +110,13 @@ class PrivacyPlan:
     object.__setattr__(self, "releases", tuple(
         accounting.validate_noise_multiplier(r) for r in self.releases))
     accounting.validate_dataset_and_batch(self.dataset_size, self.batch_size)
-    accounting.validate_delta(self.delta)
+    accounting.validate_delta(self.delta, self.dataset_size)
     if (self.steps is None) == (self.epochs is None):
       raise ValueError("Give exactly one of `steps` and `epochs`.")
     if self.steps is not None:
       accounting.validate_steps(self.steps)
     else:
-      accounting.steps_from_epochs(self.epochs, self.dataset_size, self.batch_size)
+      accounting.planned_steps(self.epochs, self.dataset_size, self.batch_size, self.sampling)
     if (self.noise_multiplier is None) == (self.target_epsilon is None):
       raise ValueError("Give exactly one of `noise_multiplier` and `target_epsilon`.")
     if self.noise_multiplier is not None:
@@ -157,9 +157,7 @@ class PrivacyPlan:
     ...             noise_multiplier=1.0, delta=1e-5, seed=0).steps_per_epoch
     11
     """
-    if self.sampling == "shuffle":
-      return self.spec.steps_per_epoch
-    return max(1, (2 * self.dataset_size + self.batch_size) // (2 * self.batch_size))
+    return accounting.steps_per_epoch(self.dataset_size, self.batch_size, self.sampling)
 
   @functools.cached_property
   def num_steps(self) -> int:
@@ -168,7 +166,8 @@ class PrivacyPlan:
     if self.steps is not None:
       return int(self.steps)
     # floor(epochs * steps_per_epoch), exactly (epochs read as its decimal value).
-    return accounting.steps_from_epochs(self.epochs, self.steps_per_epoch, 1)
+    return accounting.planned_steps(self.epochs, self.dataset_size, self.batch_size,
+                                    self.sampling)
 
   @functools.cached_property
   def training_noise_multiplier(self) -> float:

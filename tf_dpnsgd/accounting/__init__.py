@@ -43,7 +43,8 @@ References:
 """
 
 from tf_dpnsgd.accounting.validation import (AccountingError, UnsupportedAccountingError,
-                                             resolve_steps, steps_from_epochs,
+                                             planned_steps, resolve_steps,
+                                             steps_from_epochs, steps_per_epoch,
                                              validate_dataset_and_batch, validate_delta,
                                              validate_noise_multiplier, validate_steps,
                                              validate_target_epsilon)
@@ -77,7 +78,7 @@ __all__ = [
     "composed_rdp", "compute_epsilon", "epsilon_for", "make_spec", "modern_epsilon",
     "monotone_rdp", "paper_bound_conditions", "paper_order_limit", "paper_rho",
     "paper_subsampled_gaussian_rdp", "rdp_curve", "rdp_to_delta", "rdp_to_epsilon",
-    "resolve_steps", "steps_from_epochs", "validate_conversion", "validate_curve",
+    "planned_steps", "resolve_steps", "steps_from_epochs", "steps_per_epoch", "validate_conversion", "validate_curve",
     "validate_dataset_and_batch", "validate_delta", "validate_noise_multiplier", "validate_steps",
     "validate_target_epsilon", "worst_case_rdp",
 ]

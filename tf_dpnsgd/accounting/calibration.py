@@ -33,7 +33,7 @@ def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, step
     AccountingError: if no ``sigma <= max_noise_multiplier`` reaches the target.
   """
   target = validate_target_epsilon(target_epsilon)
-  delta = validate_delta(delta)
+  delta = validate_delta(delta, spec.dataset_size)
   steps = validate_steps(steps)
   if not tolerance > 0:
     raise AccountingError(f"`tolerance` must be > 0; got {tolerance!r}.")
@@ -76,7 +76,7 @@ def calibrate(dataset_size: int, batch_size: int, target_epsilon: float, delta: 
               tolerance: float = 1e-3) -> PrivacyReport:
   """Calibrates the noise multiplier to ``target_epsilon``; returns the report at that sigma."""
   spec = make_spec(dataset_size, batch_size, sampling, accountant, bound, conversion, orders)
-  steps = resolve_steps(spec.dataset_size, spec.batch_size, steps, epochs)
+  steps = resolve_steps(spec.dataset_size, spec.batch_size, steps, epochs, spec.sampling)
   sigma = calibrate_noise_multiplier(spec, target_epsilon, steps, delta, tolerance)
   report = StepAccountant(spec, sigma, delta).report(
       steps, target_epsilon=float(target_epsilon), calibration_tolerance=float(tolerance))

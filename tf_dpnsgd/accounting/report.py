@@ -144,7 +144,7 @@ class StepAccountant:
       raise TypeError(f"`spec` must be an AccountingSpec; got {spec!r}.")
     self.spec = spec
     self.noise_multiplier = validate_noise_multiplier(noise_multiplier)
-    self.delta = validate_delta(delta)
+    self.delta = validate_delta(delta, spec.dataset_size)
     self._curve = rdp_curve(spec, self.noise_multiplier) if spec.accountant == "rdp" else None
     self._cache: dict[int, tuple] = {}
 
@@ -227,7 +227,8 @@ def compute_epsilon(dataset_size: int, batch_size: int, noise_multiplier: float,
     noise_multiplier: ``sigma`` (noise std / per-example bound ``S``), > 0.
     delta: in (0, 1).
     sampling: ``"poisson"``, ``"uniform"`` or ``"shuffle"``.
-    steps / epochs: exactly one; ``steps = floor(epochs * N / B)``.
+    steps / epochs: exactly one; ``steps = floor(epochs * steps_per_epoch)``
+      (:func:`~tf_dpnsgd.accounting.steps_per_epoch`: ``round(N / B)``, ``N // B`` for shuffling).
     accountant, bound, conversion, orders: see :class:`AccountingSpec`.
 
   Returns:
@@ -237,11 +238,11 @@ def compute_epsilon(dataset_size: int, batch_size: int, noise_multiplier: float,
     AccountingError: invalid input or unsupported combination (never a silent number).
 
   >>> r = compute_epsilon(60000, 256, 1.1, 1e-5, "poisson", epochs=60)
-  >>> r.steps, round(r.epsilon, 2)
-  (14062, 2.6)
+  >>> r.steps, round(r.epsilon, 2)  # 60 epochs of round(60000 / 256) = 234 steps
+  (14040, 2.59)
   """
   spec = make_spec(dataset_size, batch_size, sampling, accountant, bound, conversion, orders)
-  steps = resolve_steps(spec.dataset_size, spec.batch_size, steps, epochs)
+  steps = resolve_steps(spec.dataset_size, spec.batch_size, steps, epochs, spec.sampling)
   return StepAccountant(spec, noise_multiplier, delta).report(steps)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fractions
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -39,13 +40,36 @@ def validate_dataset_and_batch(dataset_size, batch_size) -> tuple[int, int]:
   return int(dataset_size), int(batch_size)
 
 
-def validate_delta(delta) -> float:
+def validate_delta(delta, dataset_size: Optional[int] = None) -> float:
+  """Returns ``delta`` as a float; raises unless ``0 < delta < 1`` and, given ``N``,
+  ``delta < 1/N``.
+
+  Why ``1/N``: a mechanism that publishes each example in the clear with probability
+  ``delta`` is ``(0, delta)``-DP, so with ``delta >= 1/N`` the guarantee allows releasing
+  about one whole example; the usual choice is ``delta`` well below ``1/N`` (refused,
+  not warned: every entry point that knows ``N`` (plans, ``make_private``'s first
+  ``fit``, the launchers, the privacy CLI, every report) calls this).
+
+  >>> validate_delta(1e-5, dataset_size=60000)
+  1e-05
+  >>> validate_delta(1e-3, dataset_size=8000)
+  Traceback (most recent call last):
+  ...
+  tf_dpnsgd.accounting.validation.AccountingError: `delta` = 0.001 is not below 1/N = 0.000125 (N = 8000): (epsilon, delta)-DP with delta >= 1/N allows publishing about one whole example (each in the clear with probability delta). Choose delta well below 1/N, e.g. 1e-05.
+  """
   try:
     value = float(delta)
   except (TypeError, ValueError) as e:
     raise AccountingError(f"`delta` must be a number in (0, 1); got {delta!r}.") from e
   if not 0.0 < value < 1.0:
     raise AccountingError(f"`delta` must lie strictly between 0 and 1; got {delta!r}.")
+  if dataset_size is not None and value * int(dataset_size) >= 1.0:
+    suggestion = 10.0 ** (math.floor(math.log10(1.0 / int(dataset_size))) - 1)
+    raise AccountingError(
+        f"`delta` = {value:g} is not below 1/N = {1.0 / int(dataset_size):g} (N = "
+        f"{int(dataset_size)}): (epsilon, delta)-DP with delta >= 1/N allows publishing about "
+        "one whole example (each in the clear with probability delta). Choose delta well "
+        f"below 1/N, e.g. {suggestion:g}.")
   return value
 
 
@@ -115,15 +139,50 @@ def steps_from_epochs(epochs, dataset_size: int, batch_size: int) -> int:
   return math.floor(exact * dataset_size / batch_size)
 
 
-def resolve_steps(dataset_size: int, batch_size: int, steps=None, epochs=None) -> int:
-  """The step count from exactly one of ``steps`` and ``epochs`` (see :func:`steps_from_epochs`)."""
+def steps_per_epoch(dataset_size: int, batch_size: int, sampling: str = "poisson") -> int:
+  """The steps of one epoch, the one rule of every entry point (plans, ``make_private``,
+  the launchers and their ``--help``, the privacy CLI, ``compute_epsilon``, audits).
+
+  Shuffling: ``N // B``, the full batches of one permutation (what its accountant counts).
+  Every other sampling: ``round(N / B)`` (halves up, at least 1), the steps whose
+  expected number of examples is closest to one pass over the data.
+
+  >>> steps_per_epoch(1437, 128), steps_per_epoch(1437, 128, "shuffle")
+  (11, 11)
+  >>> steps_per_epoch(8000, 256), steps_per_epoch(67349, 1000)
+  (31, 67)
+  >>> steps_per_epoch(1000, 300), steps_per_epoch(1000, 300, "shuffle")
+  (3, 3)
+  >>> steps_per_epoch(1000, 400), steps_per_epoch(1000, 400, "shuffle")
+  (3, 2)
+  """
+  dataset_size, batch_size = validate_dataset_and_batch(dataset_size, batch_size)
+  if sampling == "shuffle":
+    return dataset_size // batch_size
+  return max(1, (2 * dataset_size + batch_size) // (2 * batch_size))
+
+
+def planned_steps(epochs, dataset_size: int, batch_size: int, sampling: str = "poisson") -> int:
+  """``floor(epochs * steps_per_epoch(N, B, sampling))``, exactly (whole epochs for a whole
+  ``epochs``).
+
+  >>> planned_steps(40, 1437, 128), planned_steps(2.5, 1437, 128)
+  (440, 27)
+  """
+  return steps_from_epochs(epochs, steps_per_epoch(dataset_size, batch_size, sampling), 1)
+
+
+def resolve_steps(dataset_size: int, batch_size: int, steps=None, epochs=None,
+                  sampling: str = "poisson") -> int:
+  """The step count from exactly one of ``steps`` and ``epochs`` (see :func:`planned_steps`)."""
   if (steps is None) == (epochs is None):
     raise AccountingError("Give exactly one of `steps` and `epochs`.")
   if steps is not None:
     return validate_steps(steps)
-  return steps_from_epochs(epochs, dataset_size, batch_size)
+  return planned_steps(epochs, dataset_size, batch_size, sampling)
 
 
-__all__ = ["AccountingError", "UnsupportedAccountingError", "resolve_steps", "steps_from_epochs",
+__all__ = ["AccountingError", "UnsupportedAccountingError", "planned_steps", "resolve_steps",
+           "steps_from_epochs", "steps_per_epoch",
            "validate_dataset_and_batch", "validate_delta", "validate_noise_multiplier",
            "validate_steps", "validate_target_epsilon"]

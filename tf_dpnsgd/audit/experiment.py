@@ -271,7 +271,7 @@ def run_canary_audit(build_model: Callable[[], keras.Model], train: tuple, *, nu
 
   # The plan of this training set (or, without noise, the same sampler alone).
   if no_noise:
-    num_steps = steps if steps is not None else accounting.steps_from_epochs(epochs, n, batch_size)
+    num_steps = steps if steps is not None else accounting.planned_steps(epochs, n, batch_size, sampling)
     sampler = sampling_lib.make_sampler(sampling, n, batch_size, seed=sampler_seed)
     plan, sigma = None, 0.0
   else:

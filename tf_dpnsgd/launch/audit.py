@@ -82,7 +82,7 @@ flags.DEFINE_float("target_epsilon", None, "Calibrate the noise to this epsilon.
                    "with --noise_multiplier.")
 flags.DEFINE_float("delta", 1e-5, "Claimed delta (also the audit's null hypothesis).")
 flags.DEFINE_integer("batch_size", 256, "Expected batch size (Poisson) / batch size.")
-flags.DEFINE_float("epochs", 10.0, "Epochs: steps = floor(epochs * N / B), N incl. canaries.")
+flags.DEFINE_float("epochs", 10.0, "Epochs: floor(epochs * round(N / B)) steps, N incl. canaries.")
 flags.DEFINE_enum("sampling", "poisson", ("poisson", "uniform", "shuffle"), "Batch sampling.")
 flags.DEFINE_enum("accountant", "rdp", ("rdp", "pld"), "dp-accounting accountant.")
 flags.DEFINE_enum("conversion", "modern", ("modern", "classic"), "RDP -> (eps, delta).")

@@ -12,9 +12,8 @@ A run with ``model_dir`` writes there:
   from it (``run.json``: private or not, plan, dataset; any other run is refused,
   :mod:`tf_dpnsgd.launch.resume`), the sampler continuing at the restored step;
 * ``run.json``: what trained the checkpoint (written before training);
-* ``history.json``: per-epoch metrics (``loss``, ``accuracy``, ``val_*``,
-  ``epsilon``, ``learning_rate``, ``grad_norm``, ...), kept across resumes;
-* ``tensorboard/``: the same scalars for TensorBoard;
+* ``history.json``: per-epoch metrics (``loss``, ``accuracy``, ``val_*``, ``epsilon``,
+  ``learning_rate``, ``grad_norm``, ...), kept across resumes; ``tensorboard/``: the same;
 * ``privacy_report.json``: the run's :class:`~tf_dpnsgd.records.RunRecord`
   (epsilon, delta, noise multiplier, sampling, accountant, steps, dataset
   size, hyperparameters, final metrics, ``not_covered``: what the model depends on
@@ -38,9 +37,8 @@ the whole run. Such a run writes its sampler seed, a secret, to
 ``model_dir`` of such a run is as private as the data. The noise seed is still
 drawn from the OS on resume (fresh ``z_t``; the buffers carry the correlation).
 
-Flag errors (both ``--noise_multiplier`` and ``--target_epsilon`` given,
-``--optimizer=sgd`` with either, a regularizer <= 0, ...) are absl flag
-validators: one ``FATAL Flags parsing error`` line, exit status 1. When
+Flag errors (both ``--noise_multiplier`` and ``--target_epsilon`` given, ``--optimizer=sgd``
+with either, a regularizer <= 0, ...) are absl flag validators (exit status 1). When
 neither privacy flag is given, a private optimizer calibrates to the
 launcher's default ``--target_epsilon``.
 """
@@ -50,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from typing import Any, Callable, Optional
 
@@ -60,6 +57,7 @@ import keras
 import numpy as np
 
 import tf_dpnsgd
+from tf_dpnsgd import accounting
 from tf_dpnsgd import distribution
 from tf_dpnsgd import export as export_lib
 from tf_dpnsgd import noise as noise_lib
@@ -234,7 +232,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None, **defaults) -> 
                        **kw)
   flags.DEFINE_integer("physical_batch_size", d["physical_batch_size"],
                        "Process each logical batch in chunks of this size (memory).", **kw)
-  flags.DEFINE_float("epochs", d["epochs"], "Epochs (steps = floor(epochs * N / B)).", **kw)
+  flags.DEFINE_float("epochs", d["epochs"], "Epochs: floor(epochs * round(N / B)) steps "
+                     "(N // B for shuffle).", **kw)
   flags.DEFINE_integer("max_steps", d["max_steps"],
                        "Stop after this many steps; the report covers the steps taken.", **kw)
   flags.DEFINE_enum("sampling", d["sampling"], SAMPLINGS,
@@ -502,9 +501,10 @@ def run_experiment(cfg: ExperimentConfig, build_model: Callable[[], keras.Model]
   plan = make_plan(cfg, n, sampler_seed=sampler_seed)
   if cfg.seed is not None:  # public: initialisation and data order only
     keras.utils.set_random_seed(cfg.seed)
-  planned_steps = plan.num_steps if plan else math.floor(cfg.epochs * n / cfg.batch_size)
+  planned_steps = plan.num_steps if plan else accounting.planned_steps(cfg.epochs, n,
+                                                                       cfg.batch_size)
   if planned_steps < 1:
-    raise LaunchError(f"floor(epochs * N / B) = 0 steps (epochs={cfg.epochs}, N={n}, "
+    raise LaunchError(f"floor(epochs * steps per epoch) = 0 steps (epochs={cfg.epochs}, N={n}, "
                       f"B={cfg.batch_size}): train longer or use a smaller batch.")
   total_steps = min(planned_steps, cfg.max_steps or planned_steps)
   sigma = plan.training_noise_multiplier if plan else None

@@ -9,7 +9,8 @@ Usage::
   python -m tf_dpnsgd.privacy --dataset_size=50000 --batch_size=1000 --steps=5000 \
       --target_epsilon=2 --delta=1e-5 --sampling=uniform --json
 
-Exactly one of ``--epochs``/``--steps`` (steps = floor(epochs * N / B)) and
+Exactly one of ``--epochs``/``--steps`` (steps = floor(epochs * steps per epoch), with
+:func:`tf_dpnsgd.accounting.steps_per_epoch`, the rule of every plan) and
 one of ``--noise_multiplier``/``--target_epsilon``. ``--json`` prints one
 JSON object (``epsilon``, ``noise_multiplier``, ``steps``, ``optimal_order``,
 ``assumptions``, ...); otherwise a readable statement. Invalid input or an
@@ -35,7 +36,8 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_integer("dataset_size", None, "Number of training examples N.")
 flags.DEFINE_integer("batch_size", None, "Batch size B (expected batch size for Poisson).")
-flags.DEFINE_float("epochs", None, "Epochs; steps = floor(epochs * N / B).")
+flags.DEFINE_float("epochs", None, "Epochs; steps = floor(epochs * steps per epoch), steps "
+                   "per epoch = round(N / B) (N // B for shuffle), as every plan counts.")
 flags.DEFINE_integer("steps", None, "Number of training steps.")
 flags.DEFINE_float("noise_multiplier", None, "Noise std / per-example L2 bound (sigma).")
 flags.DEFINE_float("target_epsilon", None, "Calibrate the noise multiplier to this epsilon.")
@@ -73,7 +75,7 @@ def compute_report(flag_values=FLAGS) -> accounting.PrivacyReport:
                                   **common)
   if report.steps == 0:
     raise accounting.AccountingError(
-        "floor(epochs * N / B) = 0 steps: nothing is trained, nothing to account.")
+        "floor(epochs * steps per epoch) = 0 steps: nothing is trained, nothing to account.")
   if not math.isfinite(report.epsilon):
     raise accounting.AccountingError(
         f"Epsilon is infinite under these assumptions ({report.to_dict()['assumptions']}).")
