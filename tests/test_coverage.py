@@ -212,7 +212,7 @@ def test_unknown_non_trainable_state_is_listed_but_seed_state_and_frozen_weights
   model.get_layer("frozen_dense").trainable = False
   found = dict(coverage.data_derived_state(model))
   assert list(found) == ["running"] and "running_mean" in found["running"]
-  assert coverage.frozen_layers(model) == ["frozen_dense"]
+  assert coverage.frozen_layers(model) == [model.get_layer("frozen_dense").path]
   with pytest.raises(ValueError, match="layer 'running'"):
     tf_dpnsgd.make_private(model)  # refused unless declared
   items = coverage.not_covered(model)  # what a report of this model would list

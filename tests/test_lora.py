@@ -173,9 +173,35 @@ def test_lora_embedding_is_still_not_covered():
 def test_frozen_base_kernel_is_named_in_not_covered():
   dense = keras.layers.Dense(3, name="lora_dense")
   model = head_model(dense, (5,))
-  assert "lora_dense" not in coverage_lib.frozen_layers(model)
+  assert not any("lora_dense" in f for f in coverage_lib.frozen_layers(model))
   enable_lora(dense)
-  assert "lora_dense" in coverage_lib.frozen_layers(model)
+  # Full path, and what of it is frozen and what still trains (issue 48.2).
+  assert coverage_lib.frozen_layers(model) == [
+      f"{dense.path} (frozen: kernel; trained: bias, lora_kernel_a, lora_kernel_b)"]
+
+
+def test_freezing_a_layer_after_keras_hub_enable_lora_is_not_reported_as_frozen():
+  """The trap of issue 48.2: keras-hub's enable_lora sets every layer trainable=False and
+  leaves the LoRA factors trainable, so freezing a transformer layer afterwards freezes
+  nothing. The report's frozen list is computed from the variables the step trains (the
+  oracle: the model's own trainable variables), with full paths, so it does not call the
+  layer frozen; the documented way (each variable's trainable flag) does freeze it."""
+  backbone = tiny_bert_backbone(num_layers=2)
+  pooled = backbone.output["pooled_output"]
+  model = keras.Model(backbone.input, keras.layers.Dense(2, name="head")(pooled))
+  backbone.enable_lora(2)
+  layer = backbone.get_layer("transformer_layer_0")
+  layer.trainable = False  # what the user tried
+  inside = [v for v in model.trainable_variables if v.path.startswith(layer.path + "/")]
+  assert inside  # still trained
+  frozen = coverage_lib.frozen_layers(model)
+  assert layer.path not in frozen  # not frozen as a whole: its LoRA factors train
+  assert any(f.startswith(f"{layer.path}/self_attention_layer/query (frozen: kernel; "
+                          "trained: bias, lora_kernel_a, lora_kernel_b)") for f in frozen)
+  for v in layer.weights:  # docs/per_example.md's recipe
+    v.trainable = False
+  assert not any(v.path.startswith(layer.path + "/") for v in model.trainable_variables)
+  assert layer.path in coverage_lib.frozen_layers(model)
 
 
 @pytest.mark.slow
@@ -194,7 +220,10 @@ def test_bert_backbone_with_lora_uses_layerwise_engine_and_matches_loop():
   engine = resolve_engine(model, "auto").dense_engine  # the engine, or a partial of it
   assert getattr(engine, "func", engine) is layerwise_engine
   frozen = coverage_lib.frozen_layers(model)
-  assert "transformer_layer_0" in frozen and "token_embedding" in frozen
+  # Full paths; a transformer layer whose LoRA factors train is named with what is frozen.
+  assert any(f.startswith("transformer_layer_0/self_attention_layer/query (frozen: kernel")
+             for f in frozen)
+  assert "token_embedding" in frozen
   rng = np.random.default_rng(4)
   mask = np.ones((3, 7), "int32")
   mask[1, 4:] = 0

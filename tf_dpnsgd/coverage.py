@@ -381,24 +381,41 @@ def data_derived_state(model) -> list:
 
 
 def frozen_layers(model) -> list:
-  """Names of the top-most layers holding frozen weights (``trainable=False``).
+  """Full paths of the top-most layers holding frozen weights (``trainable=False``).
 
   A frozen layer's weights are not changed by the DP step; the epsilon assumes
   they are public (initialisation, or pretraining on public data). A frozen
-  nested model is named once, not layer by layer.
+  nested model is named once, not layer by layer. A layer whose own weights were
+  frozen one by one (a LoRA-enabled ``Dense``: its base kernel) is named with them,
+  and with those that still train: ``"path (frozen: kernel; trained: lora_kernel_a,
+  lora_kernel_b)"``. What the step trains comes from ``model.trainable_variables``
+  (the variables the DP step updates), not from ``layer.trainable``: keras-hub's
+  ``backbone.enable_lora(rank)`` sets every layer ``trainable = False`` and leaves the
+  LoRA factors trainable, so ``layer.trainable = False`` afterwards freezes nothing
+  (freeze a layer's LoRA factors with ``for v in layer.weights: v.trainable = False``);
+  such a layer is named with what still trains.
   """
   out = []
+  trained = {id(v) for v in model.trainable_variables}
 
   def has_weights(layer):  # weights created trainable (frozen or not), here or below
     return any(getattr(sub, "_trainable_variables", ())
                for sub in layer._flatten_layers(include_self=True, recursive=True))
 
+  def trains_below(layer):
+    return any(id(v) in trained for v in layer.weights)
+
   def walk(layer):
-    if not layer.trainable and has_weights(layer):
-      out.append(layer.name)  # the whole layer (and everything below) is frozen
+    if not layer.trainable and has_weights(layer) and not trains_below(layer):
+      out.append(layer.path)  # the whole layer (and everything below) is frozen
       return
-    if any(not v.trainable for v in getattr(layer, "_trainable_variables", ())):
-      out.append(layer.name)  # some of its own weights were frozen one by one
+    own = list(getattr(layer, "_trainable_variables", ()))
+    frozen = [v.name for v in own if id(v) not in trained]
+    if frozen and len(frozen) < len(own):  # some of its own weights were frozen one by one
+      out.append(f"{layer.path} (frozen: {', '.join(frozen)}; trained: "
+                 f"{', '.join(v.name for v in own if id(v) in trained)})")
+    elif frozen:
+      out.append(layer.path)
     for sub in layer._flatten_layers(include_self=False, recursive=False):
       walk(sub)
 
@@ -503,7 +520,10 @@ def not_covered(model) -> tuple:
                      "the epsilon: do not release this model as private.")
     frozen = frozen_layers(model)
     if frozen:
-      items.append(f"Frozen weights of layers {frozen}: not trained by the DP step; the "
+      variables = model.trainable_variables
+      items.append(f"Frozen weights of layers {frozen}: not trained by the DP step (it "
+                   f"trains {len(variables)} variables, "
+                   f"{sum(int(np.prod(v.shape)) for v in variables):,} weights); the "
                    "epsilon assumes they are public (initialisation or pretraining on public "
                    "data), which the package cannot verify.")
     if declared:

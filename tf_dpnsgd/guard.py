@@ -69,6 +69,7 @@ class GuardState:
     self.fit_checks_pending = False  # set by every fit
     self.batch_source = None  # "arrays" while a fit draws from in-memory arrays
     self.participation = participation.ParticipationCheck()  # who ran in which step
+    self.restored_compile = False  # compiled by load_model, not (yet) by the user
 
   def untagged_allowed(self, model):
     """``(allowed, hint, vouched)`` for an untagged batch in the current call."""
@@ -247,6 +248,42 @@ def _check_correlated_noise(model, ledger) -> None:
         "with the ledger (model.save / load_model), or train a new model.")
 
 
+def _check_restored_training(model, ledger, state) -> None:
+  """After ``load_model`` (a compile restored from a file, not the user's), the step must
+  continue the training the ledger recorded: the same trainable variables (by shape and
+  dtype, :func:`tf_dpnsgd.ledger.trainable_signature`) and the optimizer's own state.
+
+  Why: Keras merges LoRA factors into the kernels when it saves a ``.keras`` file, so a
+  reloaded LoRA model would silently train every kernel, and Keras skips an optimizer state
+  whose variables do not match (only a warning), so momentum or Adam's moments would restart
+  mid-plan. Neither is a privacy failure (the steps are still counted), but neither is the
+  training the user set up: both are refused until the user compiles again, which accepts
+  the model as it is. Checked on the host before the step: nothing runs, nothing is counted.
+  """
+  if not state.restored_compile or not ledger.steps:
+    return
+  digest, count, size = ledger.trained_signature
+  now = ledger_lib.trainable_signature(model.trainable_variables)
+  if digest and now[0] != digest:
+    raise ledger_lib.LedgerMismatchError(
+        f"tf_dpnsgd: what trains changed since the model's last private step: its privacy "
+        f"ledger's steps updated {count} variables ({size:,} weights), this reloaded model "
+        f"would update {now[1]} ({now[2]:,} weights). Keras merges LoRA factors into the "
+        "kernels when it saves a .keras file, so a reloaded LoRA model trains whole kernels "
+        "unless LoRA is enabled again. Enable LoRA on the same layers with the same rank "
+        "(e.g. backbone.enable_lora(rank, target_names) or layer.enable_lora(rank)), freeze "
+        "what was frozen, then model.compile(...) with the DP optimizer; or, to train this "
+        "set on purpose, model.compile(...) again (a compile by you accepts the model as "
+        "it is).")
+  if int(model.optimizer.iterations.numpy()) == 0:
+    raise ledger_lib.LedgerMismatchError(
+        f"tf_dpnsgd: the optimizer's state was not restored with the model (Keras skips a "
+        f"saved optimizer state that does not match, with only a warning), but the privacy "
+        f"ledger holds {ledger.steps} steps: the run would restart its momentum / moments "
+        "mid-plan. Load a file whose optimizer matches the model, or model.compile(...) "
+        "with a fresh DP optimizer to restart it on purpose.")
+
+
 def _build_and_choose_engine(model, data) -> None:
   """A subclassed model compiled before it was built: build it on the first batch's
   features (a forward pass, nothing trained), then choose the per-example engine."""
@@ -280,6 +317,7 @@ def wrap(model, main):
       _check_workers(strategy, ledger, summaries[0])
       state.fit_checks_pending = False
     _check_correlated_noise(model, ledger)
+    _check_restored_training(model, ledger, state)
     allowed, hint, vouched = state.untagged_allowed(model)
     for offset, summary in enumerate(summaries):
       ledger.check_batch(summary, offset, untagged_allowed=allowed, untagged_hint=hint)

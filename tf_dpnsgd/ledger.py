@@ -1,6 +1,6 @@
 """The privacy ledger: what the DP train step actually executed, bound to the weights.
 
-This module is long (about 690 lines, a third of it docstrings): the ledger's
+This module is long (about 800 lines, a third of it docstrings): the ledger's
 entries, its save hooks, its forward-only restore rule and its host checks are one
 unit of state and must be read together.
 
@@ -28,6 +28,11 @@ entry                      meaning
 ``lineage``                a random id naming this ledger's history
 ``flags``                  assumptions outside the Gaussian mechanism
                            (:mod:`tf_dpnsgd.coverage`)
+``trainable_*``            what the DP step updates: a digest of the shapes and
+                           dtypes of the trainable variables (names excluded: a
+                           rebuilt model renames them), their count and size;
+                           written by every step, checked by the guard
+                           (:func:`trainable_signature`)
 ``adaptive_steps``         steps that also released quantile-adaptive
                            clipping's noised count (Andrew et al. 2021); with
                            ``min_clipped_count_stddev`` (the smallest count
@@ -140,7 +145,8 @@ WARM_START_FIELD = "warm_start_source"  # utf-8 bytes of the last file loaded wi
 _SOURCE_BYTES = 256
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
            "min_noise_multiplier", "noise_generation", "lineage", "flags", "releases",
-           RELEASE_FIELD, WARM_START_FIELD, "noise_bands") + ADAPTIVE_FIELDS
+           RELEASE_FIELD, WARM_START_FIELD, "noise_bands", "trainable_digest",
+           "trainable_count", "trainable_size") + ADAPTIVE_FIELDS
 _MIN_FIELDS = ("min_noise_multiplier",)  # start at +inf
 _SHAPES = {RELEASE_FIELD: (MAX_RELEASES,), WARM_START_FIELD: (_SOURCE_BYTES,)}
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
@@ -255,6 +261,25 @@ def noise_name(bands: int) -> str:
   return f"{bands}-banded noise (BandMF)"
 
 
+def trainable_signature(variables) -> tuple:
+  """``(digest, count, size)`` of the variables a DP step updates: an int63 digest of their
+  sorted ``(shape, dtype)`` (not their names, which a rebuilt or reloaded model may change),
+  how many they are and how many weights they hold. LoRA factors and the kernels they adapt
+  differ in shape, so a model whose LoRA was merged into its kernels (Keras does that when
+  it saves a ``.keras`` file) has another signature.
+
+  >>> a = trainable_signature([tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.zeros([2]))])
+  >>> b = trainable_signature([tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([4, 2]))])
+  >>> a == b, a[1:], trainable_signature([tf.Variable(tf.zeros([8]))])[0] == a[0]
+  (True, (2, 10), False)
+  """
+  items = sorted(f"{tuple(int(d) for d in v.shape)}:{tf.as_dtype(v.dtype).name}"
+                 for v in variables)
+  digest = int.from_bytes(hashlib.sha256("|".join(items).encode()).digest()[:8], "little") >> 1
+  size = sum(int(np.prod(v.shape)) for v in variables)
+  return max(digest, 1), len(items), size
+
+
 def _random_lineage() -> int:
   return max(int.from_bytes(os.urandom(8), "little") >> 1, 1)
 
@@ -357,6 +382,13 @@ class PrivacyLedger(keras.layers.Layer):
     """``b`` of the noise every step used (1: independent; -1: steps of different ``b``;
     ``<=`` :data:`BLT_BANDS`: BLT noise, which one), see :func:`noise_name`."""
     return int(self._vars["noise_bands"].numpy()) or 1  # 0: no step, or written before it
+
+  @property
+  def trained_signature(self) -> tuple:
+    """``(digest, count, size)`` of what the last step updated (:func:`trainable_signature`;
+    zeros before the first step or in a file written before this entry existed)."""
+    return tuple(int(self._vars[name].numpy()) for name in
+                 ("trainable_digest", "trainable_count", "trainable_size"))
 
   @property
   def noise_generation(self) -> int:
@@ -638,7 +670,8 @@ class PrivacyLedger(keras.layers.Layer):
                      self._vars["steps"].value])
 
   def record(self, tags, noise_multiplier: float, user_seeded: bool,
-             adaptive: Optional[dict] = None, bands: int = 1) -> list:
+             adaptive: Optional[dict] = None, bands: int = 1,
+             trainable_variables=None) -> list:
     """Assign ops recording one executed private step (run after the update).
 
     ``adaptive``: under quantile-adaptive clipping, what the step released besides the
@@ -661,6 +694,10 @@ class PrivacyLedger(keras.layers.Layer):
         tf.equal(old_bands, 0) | tf.equal(old_bands, bands), bands, tf.constant(-1, tf.int64))))
     if user_seeded:
       ops.append(v["user_seeded_steps"].assign_add(tf.constant(1, tf.int64)))
+    if trainable_variables is not None:  # what this step updated (fixed when traced)
+      ops += [v[name].assign(tf.constant(int(value), tf.int64)) for name, value in
+              zip(("trainable_digest", "trainable_count", "trainable_size"),
+                  trainable_signature(trainable_variables))]
     if adaptive is not None:
       f32 = lambda name: tf.cast(adaptive[name], tf.float32)  # noqa: E731
       ops += [v["adaptive_steps"].assign_add(tf.constant(1, tf.int64)),
@@ -765,4 +802,4 @@ __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "D
            "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_IDENTITY_KEY", "DP_PERIOD_KEY",
            "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
-           "sampler_fingerprint", "seed_hash"]
+           "sampler_fingerprint", "seed_hash", "trainable_signature"]

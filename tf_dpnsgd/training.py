@@ -520,6 +520,7 @@ class _DPTrainer:
     self._dp_resolve_engine()
     self._dp_guard.probe_pending = True  # probe the next batch
     self._dp_guard.padding_probe_pending = True  # length_key: rows vs padding
+    self._dp_guard.restored_compile = False  # the user's compile accepts what trains
     if self._dp_owned_plan is not None and self._dp_plan is None \
         and self._dp_owned_plan.dataset_size is not None:
       self._dp_plan = self._dp_owned_plan.resolve(self._dp_owned_plan.dataset_size,
@@ -557,6 +558,7 @@ class _DPTrainer:
     """Restores ``compile`` (with its DP optimizer) when a saved model is loaded."""
     config = keras.saving.deserialize_keras_object(config)
     self.compile(**config)
+    self._dp_guard.restored_compile = True  # guard: what trains must continue the ledger
     if self.built:
       self.optimizer.build(self.trainable_variables)
 

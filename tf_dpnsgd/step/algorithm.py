@@ -96,7 +96,8 @@ def dp_step(model, x, y, mask, denominator, tags, num_microbatches):
     # count queries together, tf_dpnsgd.accounting.adaptive) is what the plan accounts;
     # adaptive clipping's count noise and clip go to the ledger too (the report reads them).
     ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None,
-                  adaptive=released, bands=getattr(optimizer, "bands", 1))
+                  adaptive=released, bands=getattr(optimizer, "bands", 1),
+                  trainable_variables=variables)
   return out, reg_loss
 
 

@@ -1,0 +1,146 @@
+"""What trains is part of the privacy state: a reload cannot silently change it (issue 48.1).
+
+Keras merges LoRA factors into the kernels when it saves a ``.keras`` file, and skips an
+optimizer state whose variables do not match (a warning). A keras-hub backbone's LoRA is
+not in its config, so a LoRA model reloaded from ``.keras`` would train every kernel with a
+fresh optimizer. The ledger records what each step updated (shapes and dtypes of the
+trainable variables, their count and size); after ``load_model`` the next ``fit`` is
+refused until what trains matches the ledger or the user compiles again (accepting the
+model as it is). The oracle is the model's own variable list, read by the test.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpnsgd
+from tf_dpnsgd import ledger as ledger_lib
+
+import fixtures
+
+N, B, SEQ = 32, 8, 6
+
+
+class Interrupt(Exception):
+  pass
+
+
+class StopAt(keras.callbacks.Callback):
+  dp_observes_only = True
+
+  def __init__(self, step):
+    super().__init__()
+    self.step = step
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.model.privacy_ledger.steps == self.step:
+      raise Interrupt()
+
+
+def _text_data():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(5, len(fixtures.TINY_VOCAB), (N, SEQ)).astype("int32")
+  x = {"token_ids": ids, "segment_ids": np.zeros_like(ids),
+       "padding_mask": np.ones_like(ids)}
+  return x, (np.arange(N) % 2).astype("int32")
+
+
+def _lora_classifier():
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(1)
+  backbone = fixtures.tiny_bert_backbone(max_sequence_length=SEQ)
+  classifier = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2,
+                                                   preprocessor=None, dropout=0.0)
+  backbone.enable_lora(2)
+  return classifier
+
+
+def _compile(model):
+  model.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, momentum=0.9),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _trained_lora_model(tmp_path):
+  model = tf_dpnsgd.make_private(_lora_classifier(), noise_multiplier=1.0, delta=1e-5,
+                                 batch_size=B, epochs=2)
+  _compile(model)
+  trainable = ledger_lib.trainable_signature(model.trainable_variables)
+  x, y = _text_data()
+  with pytest.raises(Interrupt):
+    model.fit(x, y, verbose=0, callbacks=[StopAt(3)])
+  assert model.privacy_ledger.trained_signature == trainable  # what the steps updated
+  model.save(tmp_path / "lora.keras")
+  return model, trainable
+
+
+@pytest.mark.slow
+def test_a_reloaded_lora_model_does_not_silently_train_whole_kernels(tmp_path):
+  model, trainable = _trained_lora_model(tmp_path)
+  loaded = keras.models.load_model(tmp_path / "lora.keras")
+  now = ledger_lib.trainable_signature(loaded.trainable_variables)
+  assert now[2] > trainable[2]  # the merged kernels are trainable: Keras dropped the LoRA
+  weights = [w.copy() for w in loaded.get_weights()]
+  x, y = _text_data()
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="what trains changed"):
+    loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.steps == 3
+  for a, b in zip(weights, loaded.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  # The fix the message names: LoRA again on the same layers, then the user's compile.
+  backbone = [layer for layer in loaded._flatten_layers() if hasattr(layer, "enable_lora")
+              and hasattr(layer, "token_embedding")]
+  backbone[0].enable_lora(2)
+  _compile(loaded)
+  assert ledger_lib.trainable_signature(loaded.trainable_variables) == trainable
+  loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.steps == loaded.privacy_plan.num_steps
+  assert loaded.privacy_ledger.trained_signature == trainable
+
+
+def _dense_model():
+  keras.utils.set_random_seed(2)
+  return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                           keras.layers.Dense(3)])
+
+
+def _trained_dense(tmp_path, freeze_first=False):
+  base = _dense_model()
+  model = tf_dpnsgd.make_private(base, noise_multiplier=1.0, delta=1e-5, batch_size=B,
+                                 epochs=2)
+  _compile(model)
+  x, y = fixtures.tiny_data(N)
+  with pytest.raises(Interrupt):
+    model.fit(x, y, verbose=0, callbacks=[StopAt(3)])
+  model.save(tmp_path / "m.keras")
+  return x, y
+
+
+def test_a_reload_with_the_same_trainable_set_and_optimizer_continues(tmp_path):
+  x, y = _trained_dense(tmp_path)
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.steps == loaded.privacy_plan.num_steps
+
+
+def test_a_reload_whose_trainable_set_changed_is_refused_until_the_user_compiles(tmp_path):
+  x, y = _trained_dense(tmp_path)
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  inner = [layer for layer in loaded._flatten_layers() if isinstance(layer, keras.layers.Dense)]
+  inner[0].trainable = False  # e.g. a frozen layer that the saved steps trained
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="what trains changed"):
+    loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.steps == 3
+  _compile(loaded)  # the user's compile accepts the model as it is
+  loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.trained_signature[1] == 2  # only the last layer's kernel and bias
+
+
+def test_an_optimizer_state_keras_skipped_is_not_silently_restarted(tmp_path):
+  x, y = _trained_dense(tmp_path)
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  loaded.optimizer.iterations.assign(0)  # what Keras leaves when it skips the saved state
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="optimizer's state was not"):
+    loaded.fit(x, y, verbose=0)
+  assert loaded.privacy_ledger.steps == 3
