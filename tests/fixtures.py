@@ -239,7 +239,9 @@ def normalized_sum_by_loop(variables, example_loss, num_examples: int, r: float)
   for i in range(num_examples):
     with tf.GradientTape() as tape:
       loss = example_loss(i)
-    grads = [g.numpy().astype(np.float64) for g in tape.gradient(loss, variables)]
+    grads = [np.zeros(v.shape) if g is None else  # None: a variable the loss does not use
+             tf.convert_to_tensor(g).numpy().astype(np.float64)
+             for g, v in zip(tape.gradient(loss, variables), variables)]
     norm = float(np.sqrt(sum(np.sum(g**2) for g in grads)))
     norms.append(norm)
     summed = [s + g / (r + norm) for s, g in zip(summed, grads)]

@@ -7,7 +7,14 @@
   vectorized engine refuses (before anything runs), ``"auto"`` avoids it, and
   with oneDNN off the vectorized engine is exact (in a child process);
 * ragged (bag-of-words) ids: the microbatch engine handles them, the others
-  refuse with a message; padded ids with ``mask_zero=True`` work everywhere.
+  refuse with a message; padded ids with ``mask_zero=True`` work everywhere;
+* recurrent layers (issue 49): pfor cannot convert the gradient of their
+  ``tf.while_loop``; ``"auto"`` runs them on the microbatch engine, the
+  vectorized engine refuses them (at ``compile``; any other graph pfor cannot
+  convert while tracing), an unrolled RNN vectorizes;
+* a trainable Keras variable the loss does not use (keras-hub Llama's untied
+  output embedding): a zero gradient in every engine, not TensorFlow's
+  ``'str' object has no attribute '_type_enum'``.
 
 The oracle (:func:`oracle`) differentiates each example's loss alone with an
 ordinary ``tf.GradientTape`` in eager mode and aggregates in float64 numpy.
@@ -28,6 +35,8 @@ import tensorflow as tf
 
 import tf_dpnsgd
 from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example import EngineOutput
+from tf_dpnsgd.per_example import base as base_lib
 from tf_dpnsgd.per_example import (choose_engine, layerwise_engine, microbatch_engine,
                                    resolve_engine, vectorized, vectorized_engine)
 from tf_dpnsgd.per_example import registry as registry_lib
@@ -49,9 +58,10 @@ def oracle(model, x, y, transform):
     x_i = tf.nest.map_structure(lambda t: t[i:i + 1], x)
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(sparse_ce(y[i:i + 1], model(x_i, training=True)))
-    g = tape.gradient(loss, model.trainable_variables,
-                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    grads.append([tf.convert_to_tensor(t).numpy().astype(np.float64) for t in g])
+    g = tape.gradient(loss, model.trainable_variables)  # None for an unused variable
+    grads.append([np.zeros(v.shape) if t is None else
+                  tf.convert_to_tensor(t).numpy().astype(np.float64)
+                  for t, v in zip(g, model.trainable_variables)])
   norms = np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
   factors = transform.factors(tf.constant(norms, tf.float32)).numpy().astype(np.float64)
   summed = [sum(f * g[k] for f, g in zip(factors, grads)) for k in range(len(grads[0]))]
@@ -405,3 +415,138 @@ def test_padded_ids_with_mask_zero_match_loop(engine):
   model = keras.Model(inputs, keras.layers.Dense(3)(h))
   ids = tf.constant([[1, 2, 3, 0, 0], [4, 0, 0, 0, 0], [5, 6, 6, 0, 0], [1, 1, 7, 11, 0]])
   assert_matches_oracle(model, ids, labels(4), engine)
+
+
+# --- 5. recurrent layers: a tf.while_loop in the forward pass (issue 49) -------------------
+
+def _rnn_model(layer):
+  tokens = keras.Input((6,), dtype="int32")
+  h = layer(keras.layers.Embedding(20, 4)(tokens))
+  return keras.Model(tokens, keras.layers.Dense(3, name="head")(h))
+
+
+def _token_ids(n=4, seed=0):
+  return tf.constant(np.random.default_rng(seed).integers(1, 20, (n, 6)), tf.int32)
+
+
+def _graph(engine):
+  """``engine`` traced as in a train step (graph mode), where the crashes were."""
+  traced = tf.function(lambda *args: vars(engine(*args)), autograph=False)
+  return lambda *args: EngineOutput(**traced(*args))
+
+
+_RNNS = {"lstm": lambda: keras.layers.LSTM(4, name="my_lstm"),
+         "bidirectional_gru": lambda: keras.layers.Bidirectional(keras.layers.GRU(3, name="my_gru"))}
+
+
+@pytest.mark.parametrize("name", ["lstm", pytest.param("bidirectional_gru", marks=pytest.mark.slow)])
+def test_auto_runs_recurrent_layers_on_the_microbatch_engine(name):
+  # Before: "auto" picked the vectorized engine, whose trace failed with "TypeError: `dtype`
+  # <dtype: 'variant'> is not compatible with 0 of dtype int64" (pfor's ZerosLike of the
+  # loop's TensorList).
+  model = _rnn_model(_RNNS[name]())
+  engine, why = choose_engine(model)
+  assert engine == "microbatch" and "tf.while_loop" in why and "my_" in why
+  assert resolve_engine(model, "auto") is microbatch_engine
+  assert_matches_oracle(model, _token_ids(), labels(4), _graph(microbatch_engine))
+
+
+def test_vectorized_refuses_recurrent_layers_at_compile():
+  model = _rnn_model(_RNNS["lstm"]())
+  with pytest.raises(registry_lib.UnsupportedLayerError, match="LSTM 'my_lstm'") as info:
+    vectorized_engine(model, sparse_ce, _token_ids(), labels(4), CLIP)
+  for needed in ("per_example='microbatch'", "unroll=True"):
+    assert needed in str(info.value)
+  dp = tf_dpnsgd.make_private(_rnn_model(_RNNS["lstm"]()), per_example="vectorized")
+  with pytest.raises(registry_lib.UnsupportedLayerError, match="my_lstm"):
+    dp.compile(optimizer=tf_dpnsgd.DPSGD(l2_norm_clip=1.0, noise_multiplier=0.0), loss=sparse_ce)
+
+
+def test_an_unrolled_lstm_vectorizes_exactly():
+  model = _rnn_model(keras.layers.LSTM(4, unroll=True))
+  assert vectorized.while_loop_layers(model) == []
+  assert choose_engine(model)[0] == "vectorized"
+  assert_matches_oracle(model, _token_ids(), labels(4), _graph(vectorized_engine))
+
+
+class _TensorArrayLoop(keras.layers.Layer):
+  """A custom recurrence: a ``tf.while_loop`` that also stacks its states in a ``TensorArray``
+  (as Keras' RNN does) and returns the last state."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+  def call(self, inputs):
+    steps = tf.shape(inputs)[1]
+
+    def body(t, h, states):
+      h = 0.5 * h + inputs[:, t] * self.w
+      return t + 1, h, states.write(t, h)
+
+    _, h, _ = tf.while_loop(lambda t, *_: t < steps, body,
+                            (0, tf.zeros_like(inputs[:, 0]), tf.TensorArray(inputs.dtype, steps)))
+    return h
+
+
+def _loop_model():
+  inputs = keras.Input((5, 3))
+  return keras.Model(inputs, keras.layers.Dense(3)(_TensorArrayLoop(name="loop")(inputs)))
+
+
+def test_vectorized_refuses_a_graph_pfor_cannot_convert_while_tracing():
+  model = _loop_model()  # not a keras.layers.RNN: not known before tracing
+  assert vectorized.while_loop_layers(model) == []
+  fn = tf.function(lambda x, y: vectorized_engine(model, sparse_ce, x, y, CLIP).summed,
+                   autograph=False)
+  with pytest.raises(registry_lib.UnsupportedLayerError, match="per_example='microbatch'") as info:
+    fn.get_concrete_function(floats((4, 5, 3)), labels(4))
+  assert isinstance(info.value.__cause__, TypeError)  # pfor's, chained
+  assert_matches_oracle(model, floats((4, 5, 3)), labels(4), _graph(microbatch_engine))
+
+
+def test_auto_falls_back_to_microbatch_where_pfor_fails(onednn_on, caplog):
+  # With oneDNN on, "auto" traces the vectorized graph in a scratch graph first (nothing runs);
+  # a conversion failure there sends the step to the microbatch engine.
+  model = _loop_model()
+  with caplog.at_level(logging.WARNING, logger="tf_dpnsgd.per_example"):
+    out = assert_matches_oracle(model, floats((4, 5, 3)), labels(4),
+                                _graph(resolve_engine(model, "auto")))
+  assert any("microbatch" in r.getMessage() and "could not vectorize" in r.getMessage()
+             for r in caplog.records)
+  assert out.norms.shape == (4,)
+
+
+# --- 6. a trainable variable the loss does not use (issue 49) --------------------------------
+
+def test_variable_gradients_are_zero_for_an_unused_keras_variable():
+  used, unused = keras.Variable(np.ones(3, np.float32)), keras.Variable(np.ones((2, 2), "float32"))
+
+  def grads():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(used * 2.0)
+    return base_lib.variable_gradients(tape, loss, [used, unused])
+
+  for g in (grads(), tf.function(grads)()):  # eager and graph
+    np.testing.assert_array_equal(g[0].numpy(), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(g[1].numpy(), np.zeros((2, 2)))
+    assert g[1].dtype == tf.float32
+
+
+def _untied_output_embedding_model():
+  # keras-hub's LlamaBackbone holds an untied ReversibleEmbedding whose reverse_embeddings
+  # only LlamaCausalLM uses; a classifier head leaves it trainable and unused.
+  tokens = keras.Input((6,), dtype="int32")
+  h = keras.layers.ReversibleEmbedding(20, 4, tie_weights=False, name="tokens")(tokens)
+  return keras.Model(tokens, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+
+
+@pytest.mark.parametrize("engine", [microbatch_engine, vectorized_engine],
+                         ids=["microbatch", "vectorized"])
+def test_engines_give_an_unused_variable_a_zero_gradient(engine):
+  # Before: "AttributeError: 'str' object has no attribute '_type_enum'" (TensorFlow's
+  # UnconnectedGradients.ZERO reads a Keras variable's dtype, a string).
+  model = _untied_output_embedding_model()
+  paths = [v.path for v in model.trainable_variables]
+  unused = paths.index("tokens/reverse_embeddings")
+  out = assert_matches_oracle(model, _token_ids(), labels(4), _graph(engine))
+  np.testing.assert_array_equal(out.summed[unused].numpy(), 0.0)

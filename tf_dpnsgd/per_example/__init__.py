@@ -28,6 +28,10 @@ Engines (``per_example=`` on ``DPModel`` / ``make_private``):
     With the rules, book-keeping or two passes per traced batch: two passes
     where the output gradients book-keeping holds exceed the memory budget
     ``keep_per_example_mib`` (:func:`layerwise.choose_mode`, logged).
+    Models with recurrent layers that run a ``tf.while_loop`` (Keras RNNs
+    without ``unroll=True``) get ``"microbatch"``: pfor cannot convert the
+    loop's gradient (:func:`vectorized.while_loop_layers`; an explicit
+    ``"vectorized"`` refuses them at ``compile``).
     With TensorFlow's oneDNN CPU kernels on, ``"auto"`` never runs the
     vectorized engine on a graph oneDNN breaks: it picks ``"microbatch"`` for
     models with layers known to (:func:`vectorized.onednn_risky_layers`) and
@@ -73,7 +77,9 @@ def choose_engine(model, registry_=None) -> tuple[str, str]:
 
   Returns:
     ``("layerwise", reason)`` if every trainable variable belongs to a layer
-    with a layer-wise rule; else ``("microbatch", reason)`` if oneDNN is on
+    with a layer-wise rule; else ``("microbatch", reason)`` if the model has
+    recurrent layers that run a ``tf.while_loop``
+    (:func:`vectorized.while_loop_layers`), or if oneDNN is on
     and the model has layers whose vectorized graph oneDNN breaks
     (:func:`vectorized.onednn_risky_layers`); else ``("vectorized", reason)``
     naming the layers without a rule.
@@ -81,6 +87,10 @@ def choose_engine(model, registry_=None) -> tuple[str, str]:
   cov = registry.coverage(model, registry_)
   if cov.complete:
     return "layerwise", cov.explain()
+  loops = vectorized.while_loop_layers(model)
+  if loops:
+    return "microbatch", (f"{cov.explain()}, and tf.vectorized_map cannot convert the "
+                          f"gradient of the tf.while_loop of {', '.join(loops[:4])}")
   if vectorized.onednn_enabled():
     risky = vectorized.onednn_risky_layers(model)
     if risky:
@@ -95,10 +105,18 @@ def _vectorized_unless_onednn_breaks_it(model, loss_fn, x, y, transform, mask=No
 
   With oneDNN on, the vectorized graph is first traced in a scratch graph
   (nothing runs); if it holds a batch matmul oneDNN breaks
-  (:func:`vectorized.onednn_hazards`), the microbatch engine is used instead.
+  (:func:`vectorized.onednn_hazards`), or if ``tf.vectorized_map`` cannot
+  convert it (``UnsupportedLayerError`` while tracing), the microbatch engine
+  is used instead.
   """
   if vectorized.onednn_enabled():
-    hazards = vectorized.onednn_hazards(model, loss_fn, x, y, num_microbatches)
+    try:
+      hazards = vectorized.onednn_hazards(model, loss_fn, x, y, num_microbatches)
+    except UnsupportedLayerError as e:
+      _log.warning("per_example='auto' uses the microbatch engine (slowest, exact) for model "
+                   "'%s': %s", model.name, e)
+      return microbatch_engine(model, loss_fn, x, y, transform, mask=mask,
+                               num_microbatches=num_microbatches)
     if hazards:
       _log.warning("per_example='auto' uses the microbatch engine for model '%s': %s",
                    model.name, vectorized.describe_onednn_hazards(model, hazards))
@@ -137,13 +155,16 @@ def _microbatch_for_ragged_inputs(engine):
 
 
 def check_vectorized(model) -> None:
-  """Raises if ``per_example="vectorized"`` is known to break on ``model`` under oneDNN.
+  """Raises if ``per_example="vectorized"`` is known to break on ``model``.
 
   Raises:
-    UnsupportedLayerError: oneDNN is on and the model has layers whose
+    UnsupportedLayerError: the model has recurrent layers that run a
+      ``tf.while_loop`` (:func:`vectorized.check_no_while_loop_layers`); or
+      oneDNN is on and the model has layers whose
       vectorized graph oneDNN computes wrongly or crashes on (the message
       names them and says what to do).
   """
+  vectorized.check_no_while_loop_layers(model)
   if not vectorized.onednn_enabled():
     return
   risky = vectorized.onednn_risky_layers(model)
@@ -228,10 +249,11 @@ def resolve_engine(model, name: str, keep_mib=None):
     return _microbatch_for_ragged_inputs(_with_keep_budget(layerwise_engine, keep_mib,
                                                            mode="auto"))
   if chosen == "microbatch":
+    advice = ("build the recurrent layers with unroll=True" if vectorized.while_loop_layers(model)
+              else "set TF_ENABLE_ONEDNN_OPTS=0 before importing TensorFlow")
     _log.warning("per_example='auto' chose the microbatch engine (slowest) for model '%s' "
-                 "because there is %s. Register layer-wise rules for the other layers, or set "
-                 "TF_ENABLE_ONEDNN_OPTS=0 before importing TensorFlow to use the vectorized "
-                 "engine.", model.name, why)
+                 "because there is %s. Register layer-wise rules for the other layers, or %s "
+                 "to use the vectorized engine.", model.name, why, advice)
     return ENGINES[chosen]
   _log.warning("per_example='auto' chose the vectorized engine for model '%s' (slower, "
                "more memory) because there is %s. Register a layer-wise rule to use the "

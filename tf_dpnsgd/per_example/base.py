@@ -9,6 +9,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tf_dpnsgd.per_example.factored import runtime_zeros
+
 
 @dataclasses.dataclass
 class EngineOutput:
@@ -40,6 +42,33 @@ def output_spec(model, x):
   x_spec = tf.nest.map_structure(
       lambda t: keras.KerasTensor((None,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
   return model.compute_output_spec(x_spec)
+
+
+def variable_gradients(tape, target, variables) -> list:
+  """Dense gradients of ``target`` w.r.t. ``variables``; zeros for one ``target`` does not use.
+
+  Not ``tape.gradient(..., unconnected_gradients=tf.UnconnectedGradients.ZERO)``:
+  TensorFlow's tape builds those zeros from ``source.dtype``, which for a Keras 3
+  ``Variable`` is a string (``"float32"``), and fails inside the C++ tape with
+  ``AttributeError: 'str' object has no attribute '_type_enum'`` (eager and graph).
+  Any model with a trainable variable its loss does not reach hits it, e.g. a
+  keras-hub ``LlamaBackbone`` with a head: its untied ``reverse_embeddings`` is
+  used only by ``LlamaCausalLM``. The zeros here are made when the step runs
+  (:func:`~tf_dpnsgd.per_example.factored.runtime_zeros`), never a constant of the
+  traced function (an untied output embedding can be hundreds of MiB).
+
+  Args:
+    tape: a ``tf.GradientTape`` that recorded ``target``.
+    target: a scalar tensor.
+    variables: the variables to differentiate (Keras or TensorFlow variables).
+
+  Returns:
+    One dense tensor per variable, of its shape and dtype (``IndexedSlices``, e.g. an
+    ``Embedding``'s, made dense).
+  """
+  grads = tape.gradient(target, variables)
+  return [runtime_zeros(v.shape, tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g)
+          for g, v in zip(grads, variables)]
 
 
 _MISSING = object()

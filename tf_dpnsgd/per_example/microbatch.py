@@ -15,7 +15,7 @@ import tensorflow as tf
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import stateless
-from tf_dpnsgd.per_example.base import EngineOutput, output_spec
+from tf_dpnsgd.per_example.base import EngineOutput, output_spec, variable_gradients
 from tf_dpnsgd.per_example.vectorized import (batch_size_of, check_mask_and_microbatches,
                                               check_microbatches, check_no_sparse_inputs)
 
@@ -62,8 +62,7 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
         y_pred = model(x_u, training=True)
         losses = loss_fn(y_u, y_pred)
       loss = tf.reduce_mean(tf.cast(losses, tf.float32))
-    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    grads = [tf.convert_to_tensor(g)[None] for g in grads]  # IndexedSlices -> dense, [1, ...]
+    grads = [g[None] for g in variable_gradients(tape, loss, variables)]  # [1, ...]
     m = None if mask is None else mask[u:u + 1]
     contribution, norms, factors = transforms.transform_and_sum(grads, transform, m)
     acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, contribution)]

@@ -6,7 +6,7 @@ plain step on ResNet20-GN on CPU (``tape.jacobian`` is ~60x). The gradients
 are materialised (``[U, *var_shape]`` per variable), transformed and summed by
 :func:`tf_dpnsgd.transforms.transform_and_sum`.
 
-Two TensorFlow problems are handled here, each with a test in
+Three TensorFlow problems are handled here, each with a test in
 ``tests/test_engine_coverage.py``:
 
 * **oneDNN** (TensorFlow's default CPU kernels on x86 Linux): its batch
@@ -24,6 +24,10 @@ Two TensorFlow problems are handled here, each with a test in
   pfor gradient converter assumes 4-D tensors and fails. While the engine
   traces, ``EinsumDense`` layers add their bias with an explicit broadcast
   (:class:`ExplicitBiasAdd`): the same values, no ``BiasAdd`` op.
+* **pfor and ``tf.while_loop``**: pfor cannot convert the gradient of the
+  loop Keras runs a recurrent layer in (:func:`while_loop_layers`); such
+  models are refused before tracing, and any other graph pfor cannot convert
+  is refused while tracing, before anything runs (:func:`_vectorize`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from keras import ops
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example import stateless
-from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput
+from tf_dpnsgd.per_example.base import CallOverrides, EngineOutput, variable_gradients
 from tf_dpnsgd.per_example.stateless import seed_generators  # noqa: F401  (public here too)
 
 try:  # TensorFlow's own answer to "are oneDNN kernels used in this process?"
@@ -293,6 +297,73 @@ def onednn_risky_layers(model) -> list:
   return risky
 
 
+# --- loops (recurrent layers) ----------------------------------------------------
+
+MICROBATCH_ADVICE = ("Use per_example='microbatch' (exact, one example at a time; "
+                     "per_example='auto' picks it for such models).")
+LOOP_ADVICE = (MICROBATCH_ADVICE[:-1] + ", or build the recurrent layers with unroll=True (a "
+               "fixed sequence length), which the vectorized engine handles.")
+
+
+def while_loop_layers(model) -> list:
+  """Recurrent layers whose gradient ``tf.vectorized_map`` cannot convert (before any tracing).
+
+  Keras' TensorFlow backend runs an RNN (``LSTM``, ``GRU``, ``SimpleRNN``,
+  ``ConvLSTM*``, also inside ``Bidirectional``) without ``unroll=True`` as a
+  ``tf.while_loop`` whose outputs include ``TensorList`` variants (the stacked
+  outputs). The tape's gradient of that loop asks for ``zeros_like`` of the
+  outputs the loss does not use, and pfor's ``ZerosLike`` converter calls
+  ``tf.zeros(shape, dtype=variant)``, which fails while tracing (TensorFlow
+  2.21: ``TypeError: dtype <dtype: 'variant'> is not compatible with 0 of dtype
+  int64``). An unrolled RNN has no loop and converts.
+
+  Returns:
+    ``["Type 'name'"]`` of the ``keras.layers.RNN`` layers with ``unroll=False``.
+  """
+  return [f"{type(layer).__name__} '{layer.name}'"
+          for layer in model._flatten_layers(include_self=False, recursive=True)
+          if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False)]
+
+
+def check_no_while_loop_layers(model) -> None:
+  """Raises if ``model`` has layers the vectorized engine cannot run (:func:`while_loop_layers`).
+
+  Raises:
+    UnsupportedLayerError: naming the layers and what to do.
+  """
+  loops = while_loop_layers(model)
+  if loops:
+    raise registry_lib.UnsupportedLayerError(
+        f"per_example='vectorized' cannot run model '{model.name}': tf.vectorized_map cannot "
+        f"convert the gradient of the tf.while_loop of {', '.join(loops)} (pfor has no "
+        "ZerosLike of a TensorList). " + LOOP_ADVICE)
+
+
+def _vectorize(model, fn, elems):
+  """``tf.vectorized_map(fn, elems)``; a conversion failure becomes ``UnsupportedLayerError``.
+
+  pfor converts the traced per-unit graph op by op; an op it cannot convert
+  (and cannot fall back to a loop for) raises while tracing, before anything
+  runs, with an error that names a TensorFlow op and not the layer. Errors the
+  engine raises on purpose (``UnsupportedLayerError``,
+  ``stateless.StateWriteError``) pass through unchanged.
+
+  Raises:
+    UnsupportedLayerError: with the original error chained and quoted, and
+      what to do.
+  """
+  try:
+    return tf.vectorized_map(fn, elems)
+  except (registry_lib.UnsupportedLayerError, stateless.StateWriteError):
+    raise
+  except (TypeError, ValueError, NotImplementedError) as e:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise registry_lib.UnsupportedLayerError(
+        f"per_example='vectorized' could not vectorize the per-example gradient of model "
+        f"'{model.name}' (tf.vectorized_map failed while tracing, nothing has run: "
+        f"{type(e).__name__}: {first}). " + MICROBATCH_ADVICE) from e
+
+
 # --- EinsumDense biases ---------------------------------------------------------
 
 _BIAS_ROUTES = CallOverrides()
@@ -366,15 +437,13 @@ def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_micro
           y_pred = model(x_u, training=True)
         losses = loss_fn(y_u, y_pred)
         loss = tf.reduce_mean(losses)
-      grads = tape.gradient(loss, variables,
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = variable_gradients(tape, loss, variables)  # dense; zeros where unconnected
     assigned.extend(scope.assigned)
-    grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (Embedding) -> dense
     return grads, losses, y_pred
 
   units = batch_size_of(xu)
   with stateless.NoStateWrites(model, map_seeds=False):  # raw writes (seeds are mapped above)
-    out = tf.vectorized_map(unit_gradient, (xu, yu, tf.range(units)))
+    out = _vectorize(model, unit_gradient, (xu, yu, tf.range(units)))
   stateless.refuse_state_writes(model, assigned, [], allowed=[g.state for g in generators])
   return out
 
@@ -422,6 +491,9 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
 
   Raises:
     ValueError: for ragged or sparse inputs (:func:`check_dense_inputs`).
+    UnsupportedLayerError: for recurrent layers that run a ``tf.while_loop``
+      (:func:`check_no_while_loop_layers`, before tracing), or any other graph
+      ``tf.vectorized_map`` cannot convert (:func:`_vectorize`, while tracing).
     StateWriteError: the forward pass writes a variable other than the seed
       generators' states (:mod:`~tf_dpnsgd.per_example.stateless`).
     UnsupportedLayerError: with oneDNN on (:func:`onednn_enabled`), if the
@@ -432,6 +504,7 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
   if variables is None:
     variables = model.trainable_variables
   check_dense_inputs(x, "vectorized")
+  check_no_while_loop_layers(model)
   check_mask_and_microbatches(mask, num_microbatches)
   with tf.control_dependencies(check_microbatches(batch_size_of(x), num_microbatches)):
     xu = to_units(x, num_microbatches)
