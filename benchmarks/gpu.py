@@ -15,7 +15,8 @@ run. Mixed precision is ``mixed_float16`` on a GPU and ``mixed_bfloat16`` on a
 CPU (where float16 matmuls are emulated).
 
 Each step-time row runs in its own subprocess (a clean allocator, a clean
-peak RSS). In it, a plain ``keras.Model`` compiled with SGD and
+peak RSS; with ``--smoke`` the step rows share one, and its RSS column is the
+high-water mark so far). In it, a plain ``keras.Model`` compiled with SGD and
 ``tf_dpnsgd.make_private`` of a second copy compiled with DP-NSGD (noise
 multiplier 1, ``per_example="auto"``; the engine it chose is shown) alternate
 ``train_on_batch`` on the same random batch, so that both see the same
@@ -35,7 +36,8 @@ taken, and steps/s from the wall-clock times of the launcher's per-step
 epsilon events (first step, i.e. compilation, excluded). Without the data the
 row says ``unavailable`` instead of failing. ``--smoke`` writes random images
 in the ``cifar-10-batches-py`` layout and runs the same launcher for a few
-steps.
+steps; its XLA rows compile without LLVM's optimizations (``SMOKE_XLA_FLAGS``),
+since on a CPU the compile is most of a smoke run's time.
 
 A cell that fails shows ``refused: <reason>`` when tf_dpnsgd refused the
 configuration on purpose (a ``ValueError``, ``TypeError`` or
@@ -66,15 +68,20 @@ PRECISIONS = ("float32", "mixed")
 CIFAR_FLAGFILE = os.path.join(ROOT, "configs", "cifar10", "dpnsgd_eps8_step.flags")
 REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError)
 
-# name -> (full size, smoke size)
+# name -> (full size, smoke size). The smoke sizes are the smallest that keep every layer
+# kind of the full model (ResNet8: the stem, an identity and two projection shortcuts; one
+# BERT block with two heads) and more than one example per batch.
 SIZES = {
     "resnet20": ({"batch": 1000, "image": 32, "depth": 20},
-                 {"batch": 8, "image": 16, "depth": 8}),
+                 {"batch": 2, "image": 8, "depth": 8}),
     "bert": ({"batch": 32, "seq": 128, "vocab": 30522, "layers": 12, "hidden": 768,
               "heads": 12, "intermediate": 3072},
-             {"batch": 4, "seq": 16, "vocab": 100, "layers": 1, "hidden": 32, "heads": 2,
-              "intermediate": 64}),
+             {"batch": 2, "seq": 8, "vocab": 40, "layers": 1, "hidden": 8, "heads": 2,
+              "intermediate": 16}),
 }
+# --smoke: XLA compiles without LLVM's optimizations (the compile, not the step, is what a
+# smoke run on a CPU spends its time on; no timing is asserted). A user's XLA_FLAGS win.
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def describe(name, size):
@@ -152,6 +159,7 @@ def run_config(name, xla, precision, smoke, steps, warmup):
   label, batch = describe(name, size)
   row = {"model": label, "batch": batch, "xla": xla, "policy": policy,
          "device": "GPU" if gpu else "CPU", "engine": ""}
+  keras.backend.clear_session()  # --smoke runs several rows in one process
   keras.mixed_precision.set_global_policy(policy)
   keras.utils.set_random_seed(0)
   make, x, y = build(name, size)
@@ -290,8 +298,9 @@ def run_cifar(smoke, data_dir, max_steps, timeout):
 
 
 # --- the table (parent process) ---------------------------------------------------------
-def run_child(spec, args):
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", spec,
+def run_child(specs, args):
+  """Rows of ``specs`` (a list), measured in one child process, in order."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(specs),
          f"--steps={args.steps}", f"--warmup={args.warmup}",
          f"--cifar_steps={args.cifar_steps}", f"--child_timeout={args.child_timeout}"]
   if args.smoke:
@@ -300,19 +309,25 @@ def run_child(spec, args):
     cmd.append(f"--cifar_data_dir={args.cifar_data_dir}")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  if args.smoke:
+    env.setdefault("XLA_FLAGS", SMOKE_XLA_FLAGS)
+  timeout = args.child_timeout * sum(2 if spec == "cifar" else 1 for spec in specs)
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=args.child_timeout + (args.child_timeout if spec == "cifar"
-                                                        else 0))
+                          timeout=timeout)
   except subprocess.TimeoutExpired:
-    return {"error": f"error: ran over {args.child_timeout} s"}
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  if proc.returncode == 0 and lines:
-    return json.loads(lines[-1][len("RESULT "):])
+    failed = {"error": f"error: ran over {timeout} s"}
+    return [failed] * len(specs)
+  rows = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines()
+          if l.startswith("RESULT ")]
+  if proc.returncode == 0 and len(rows) == len(specs):
+    return rows
   if proc.returncode < 0:
-    return {"error": f"error: crashed (signal {-proc.returncode})"}
-  tail = [l for l in proc.stderr.strip().splitlines() if "Error" in l][-1:]
-  return {"error": f"error: exit {proc.returncode}: {' '.join(tail)[:300]}"}
+    failed = {"error": f"error: crashed (signal {-proc.returncode})"}
+  else:
+    tail = [l for l in proc.stderr.strip().splitlines() if "Error" in l][-1:]
+    failed = {"error": f"error: exit {proc.returncode}: {' '.join(tail)[:300]}"}
+  return rows[:len(specs)] + [failed] * (len(specs) - len(rows))
 
 
 def fmt(value, digits=1):
@@ -382,25 +397,31 @@ def main(argv=None):
     parser.error("--steps and --warmup must be >= 1")
 
   if args.child:
-    if args.child == "cifar":
-      row = run_cifar(args.smoke, args.cifar_data_dir, args.cifar_steps, args.child_timeout)
-    else:
-      model, xla, precision = args.child.split(":")
-      row = run_config(model, xla == "on", precision, args.smoke, args.steps, args.warmup)
-    print("RESULT " + json.dumps(row), flush=True)
+    for spec in args.child.split(","):
+      if spec == "cifar":
+        row = run_cifar(args.smoke, args.cifar_data_dir, args.cifar_steps, args.child_timeout)
+      else:
+        model, xla, precision = spec.split(":")
+        row = run_config(model, xla == "on", precision, args.smoke, args.steps, args.warmup)
+      print("RESULT " + json.dumps(row), flush=True)
     return 0
 
   specs = [f"{m}:{x}:{p}" for m in args.models.split(",") for x in args.xla.split(",")
            for p in args.precisions.split(",")]
   if args.cifar_steps > 0:
     specs.append("cifar")
+  # One process per row (a clean allocator and peak RSS); --smoke measures nothing, so its
+  # step rows share one process (TensorFlow and keras-hub imported once, not eight times).
+  steps = [s for s in specs if s != "cifar"]
+  groups = ([steps] if args.smoke and steps else [[s] for s in steps]) + [
+      [s] for s in specs if s == "cifar"]
   rows = []
   start = time.perf_counter()
-  for spec in specs:
+  for group in groups:
     t0 = time.perf_counter()
-    rows.append((spec, run_child(spec, args)))
-    print(f"[{time.perf_counter() - t0:6.1f} s] {spec}: {json.dumps(rows[-1][1])}",
-          file=sys.stderr, flush=True)
+    rows += zip(group, run_child(group, args))
+    print(f"[{time.perf_counter() - t0:6.1f} s] {', '.join(group)}: "
+          f"{json.dumps([r for _, r in rows[-len(group):]])}", file=sys.stderr, flush=True)
   lines, errors = table_rows(rows)
   device = next((r.get("device") for _, r in rows if r.get("device")), "?")
   print(f"\n{'Smoke run (tiny shapes): ' if args.smoke else ''}device {device}; "

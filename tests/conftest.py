@@ -14,6 +14,13 @@ import gc  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+import time_budget  # noqa: E402
+
+
+def pytest_configure(config):
+  # The quick tier's time budget in calibration units (tests/time_budget.py).
+  time_budget.register(config)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():

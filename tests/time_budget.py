@@ -1,0 +1,150 @@
+"""The quick tier's time budget: a test not marked ``slow`` must stay cheap, loudly.
+
+Every phase (setup, call, teardown) of a test without the ``slow`` mark must
+take at most :data:`MULTIPLE` calibration units (``tests/calibration.py``: the
+median time of a fixed small TensorFlow workload on this machine, measured
+once per session in the controlling process). A phase over the budget fails
+the session with a section naming the test, its time, the calibration and the
+multiple; the fix is to make the test cheaper or to mark it ``slow`` (the full
+suite still runs it). Since the unit scales with the machine's TensorFlow
+kernels, one multiple holds on the fast and the slow machine kinds.
+
+Under pytest-xdist the durations reach the controller through
+``pytest_runtest_logreport``, so the plugin runs there only (``tests/conftest.py``
+registers it). Before failing, the calibration is measured again and the
+larger of the two is used, so that load that arrived during the session does
+not fail it on its own.
+
+Environment:
+
+* ``TF_DPNSGD_TEST_BUDGET=off`` disables the check (debugging, profilers,
+  a machine shared with heavy work); a number sets another multiple.
+* ``TF_DPNSGD_TEST_CALIBRATION=<seconds>`` fixes the calibration instead of
+  measuring it (this plugin's own tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, NamedTuple, Optional
+
+import pytest
+
+import calibration
+
+#: Calibration units one phase of a quick-tier test may take. Chosen from the quick tier on
+#: the fast kind (2026-11-28, docs/testing.md): the slowest phase took 7-12 s at calibrations
+#: of 0.08-0.12 s (about 100 units) with a light load on the cores, and 31 s in a run with a
+#: load average of 5.7 on the 2 cores, which still passed at 250. 300 leaves about 3x over a
+#: light-load run and fails a quick test that takes about 20 s on a near-idle fast machine
+#: (calibration 0.064 s).
+MULTIPLE = 300.0
+ENV_BUDGET = "TF_DPNSGD_TEST_BUDGET"
+ENV_CALIBRATION = "TF_DPNSGD_TEST_CALIBRATION"
+PHASES = ("setup", "call", "teardown")
+
+
+class Phase(NamedTuple):
+  nodeid: str
+  when: str
+  seconds: float
+
+
+def over_budget(phases: Iterable[Phase], calibration_s: float,
+                multiple: float = MULTIPLE) -> list[Phase]:
+  """The phases longer than ``multiple * calibration_s``, slowest first.
+
+  >>> over_budget([Phase("t::a", "call", 3.0), Phase("t::b", "setup", 0.5)], 0.01, 100)
+  [Phase(nodeid='t::a', when='call', seconds=3.0)]
+  >>> over_budget([Phase("t::a", "call", 0.9)], 0.01, 100)
+  []
+  """
+  if not calibration_s > 0 or not multiple > 0:
+    raise ValueError(f"calibration ({calibration_s}) and multiple ({multiple}) must be > 0")
+  limit = multiple * calibration_s
+  return sorted((p for p in phases if p.seconds > limit), key=lambda p: -p.seconds)
+
+
+def budget_multiple(environ=os.environ) -> Optional[float]:
+  """The multiple from ``TF_DPNSGD_TEST_BUDGET`` (None: disabled), default :data:`MULTIPLE`.
+
+  >>> budget_multiple({}), budget_multiple({ENV_BUDGET: "off"}), budget_multiple({ENV_BUDGET: "40"})
+  (300.0, None, 40.0)
+  """
+  value = environ.get(ENV_BUDGET, "").strip().lower()
+  if not value:
+    return MULTIPLE
+  if value in ("off", "0", "no", "false"):
+    return None
+  try:
+    multiple = float(value)
+  except ValueError:
+    raise ValueError(f"{ENV_BUDGET}={value!r}: expected 'off' or a positive number") from None
+  if not multiple > 0:
+    raise ValueError(f"{ENV_BUDGET}={value!r}: expected 'off' or a positive number")
+  return multiple
+
+
+def measure(environ=os.environ) -> float:
+  """The calibration: ``TF_DPNSGD_TEST_CALIBRATION`` if set, else measured now."""
+  fixed = environ.get(ENV_CALIBRATION)
+  return float(fixed) if fixed else calibration.calibrate()
+
+
+class TimeBudget:
+  """The pytest plugin: collects quick-tier phase durations, fails the session on excess."""
+
+  def __init__(self, multiple: float, measure: Callable[[], float] = measure):
+    self.multiple = multiple
+    self._measure = measure
+    self.calibration_s = measure()
+    self.phases: list[Phase] = []
+    self.over: list[Phase] = []
+
+  def pytest_report_header(self):
+    return (f"{calibration.line(self.calibration_s)}; quick-tier budget {self.multiple:g} units "
+            f"= {self.multiple * self.calibration_s:.1f} s per phase ({ENV_BUDGET}=off disables)")
+
+  def pytest_runtest_logreport(self, report):
+    if report.when in PHASES and "slow" not in report.keywords:
+      self.phases.append(Phase(report.nodeid, report.when, report.duration))
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_sessionfinish(self, session):
+    if not over_budget(self.phases, self.calibration_s, self.multiple):
+      return
+    # Measured again before failing: load that arrived mid-session slows the tests and the
+    # calibration alike.
+    self.calibration_s = max(self.calibration_s, self._measure())
+    self.over = over_budget(self.phases, self.calibration_s, self.multiple)
+    if self.over and session.exitstatus == pytest.ExitCode.OK:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+  def pytest_terminal_summary(self, terminalreporter):
+    limit = self.multiple * self.calibration_s
+    if self.phases and not self.over:  # one line for tracking the suite's cost, even with -q
+      p = max(self.phases, key=lambda p: p.seconds)
+      terminalreporter.line(
+          f"quick-tier time budget: slowest phase {p.nodeid} ({p.when}) {p.seconds:.1f} s = "
+          f"{p.seconds / self.calibration_s:.0f} of {self.multiple:g} units; "
+          f"{calibration.line(self.calibration_s)}")
+    if not self.over:
+      return
+    terminalreporter.section("quick-tier time budget exceeded", sep="=", red=True, bold=True)
+    for p in self.over:
+      terminalreporter.line(
+          f"{p.nodeid} ({p.when}) took {p.seconds:.1f} s = {p.seconds / self.calibration_s:.0f} "
+          f"calibration units; the budget is {self.multiple:g} units = {limit:.1f} s "
+          f"(calibration {self.calibration_s:.3f} s)", red=True)
+    terminalreporter.line(
+        f"Make it cheaper or mark it slow (tests/time_budget.py; {ENV_BUDGET}=off disables "
+        f"the check).")
+
+
+def register(config) -> None:
+  """Registers :class:`TimeBudget` in the controlling process, unless disabled."""
+  if hasattr(config, "workerinput"):  # an xdist worker: the controller sees every report
+    return
+  multiple = budget_multiple()
+  if multiple is not None:
+    config.pluginmanager.register(TimeBudget(multiple), "tf_dpnsgd_time_budget")
