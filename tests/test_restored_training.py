@@ -144,3 +144,45 @@ def test_an_optimizer_state_keras_skipped_is_not_silently_restarted(tmp_path):
   with pytest.raises(ledger_lib.LedgerMismatchError, match="optimizer's state was not"):
     loaded.fit(x, y, verbose=0)
   assert loaded.privacy_ledger.steps == 3
+
+
+# --- issue 48.3: the report names weights the ledger did not see -------------------------
+def _warm_start_items(model):
+  return [item for item in model.privacy_report().not_covered if "Warm start" in item]
+
+
+def _backbone_model():
+  pytest.importorskip("keras_hub")
+  backbone = fixtures.tiny_bert_backbone(max_sequence_length=SEQ)
+  return keras.Model(backbone.input,
+                     keras.layers.Dense(2)(backbone.output["pooled_output"]))
+
+
+@pytest.mark.parametrize("pretrained,expected", [
+    (None, "initial weights of 2 keras-hub layers"),  # from_preset, undeclared
+    ("my_bert_folder", "pretrained weights 'my_bert_folder'"),
+    (False, None)])
+def test_a_keras_hub_backbone_s_weights_are_named_on_the_library_path(pretrained, expected):
+  model = tf_dpnsgd.make_private(_backbone_model(), pretrained=pretrained, noise_multiplier=1.0,
+                                 delta=1e-5, batch_size=B, epochs=1, dataset_size=N)
+  _compile(model)
+  items = _warm_start_items(model)
+  if expected is None:
+    assert items == []
+  else:
+    assert len(items) == 1 and expected in items[0], items
+
+
+def test_a_model_declares_its_preset_and_a_plain_model_is_not_called_pretrained():
+  declared = _dense_model()
+  declared.dp_pretrained_source = "keras-hub preset ./bert_tiny"  # models.text_classifier's
+  model = tf_dpnsgd.make_private(declared, noise_multiplier=1.0, delta=1e-5, batch_size=B,
+                                 epochs=1, dataset_size=N)
+  _compile(model)
+  assert "keras-hub preset ./bert_tiny" in _warm_start_items(model)[0]
+  plain = tf_dpnsgd.make_private(_dense_model(), noise_multiplier=1.0, delta=1e-5,
+                                 batch_size=B, epochs=1, dataset_size=N)
+  _compile(plain)
+  assert _warm_start_items(plain) == []
+  with pytest.raises(TypeError, match="pretrained"):
+    tf_dpnsgd.make_private(_dense_model(), pretrained=True)

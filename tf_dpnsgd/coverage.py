@@ -424,6 +424,63 @@ def frozen_layers(model) -> list:
   return out
 
 
+#: A model (or a layer in it) may carry the source of its starting weights under this attribute
+#: (``tf_dpnsgd.models.text_classifier`` sets the preset); ``make_private`` records it.
+PRETRAINED_ATTRIBUTE = "dp_pretrained_source"
+
+
+def pretrained_backbones(model) -> list:
+  """``["KerasHubClass 'name'", ...]``: the keras-hub backbones inside ``model``, or, for a
+  model built on a backbone's inputs and outputs (its layers inlined), its keras-hub layers
+  with weights (their weights usually come from ``from_preset``, a file without a privacy
+  ledger)."""
+  layers = list(model._flatten_layers(include_self=True, recursive=True))
+  hub = [layer for layer in layers if type(layer).__module__.startswith("keras_hub")]
+  backbones = [f"{type(layer).__name__} '{layer.name}'" for layer in hub
+               if type(layer).__name__.endswith("Backbone")]
+  if backbones:
+    return backbones
+  weighted = [layer for layer in hub if layer.weights]
+  if not weighted:
+    return []
+  return [f"{len(weighted)} keras-hub layers (e.g. {type(weighted[0]).__name__} "
+          f"'{weighted[0].name}')"]
+
+
+def record_initial_weights(model, ledger, pretrained=None) -> None:
+  """Names, in the ledger, where the weights ``make_private`` starts from came from when
+  the ledger did not see them (it has taken no step and names no file yet).
+
+  Args:
+    model: the Keras model being made private.
+    ledger: its :class:`~tf_dpnsgd.ledger.PrivacyLedger`.
+    pretrained: a string naming the source (a keras-hub preset, a local preset folder, a
+      checkpoint): recorded as a warm start the report lists as not covered; ``False``: the
+      user declares a random initialisation (nothing recorded); ``None`` (default): a model
+      holding a keras-hub backbone is recorded as a warm start of undeclared source (its
+      weights usually come from ``from_preset``), any other model as nothing.
+  """
+  if pretrained is not None and not isinstance(pretrained, (bool, str)) or pretrained is True:
+    raise TypeError("`pretrained` must be a string naming the weights' source (a preset, a "
+                    f"folder, a file), False (random initialisation) or None; got {pretrained!r}.")
+  if ledger.steps or ledger.flags & WARM_START or pretrained is False:
+    return
+  if pretrained is None:  # a source the model declares (e.g. models.text_classifier's preset)
+    declared = [getattr(layer, PRETRAINED_ATTRIBUTE) for layer
+                in model._flatten_layers(include_self=True, recursive=True)
+                if isinstance(getattr(layer, PRETRAINED_ATTRIBUTE, None), str)]
+    pretrained = declared[0] if declared else None
+  if isinstance(pretrained, str):
+    ledger.record_warm_start(f"pretrained weights {pretrained!r} (declared at make_private)")
+    return
+  backbones = pretrained_backbones(model)
+  if backbones:
+    # The ledger keeps at most 256 bytes of the source: the backbone and what to do.
+    ledger.record_warm_start(
+        f"the initial weights of {', '.join(backbones)[:120]} (from_preset? undeclared: "
+        "make_private(pretrained=...))")
+
+
 def _validate_names(public_state) -> tuple:
   if public_state is None:
     return ()
@@ -505,7 +562,7 @@ def not_covered(model) -> tuple:
   if flags & WARM_START:
     source = getattr(ledger, "warm_start_source", None) or "an unnamed file"
     items.append(FLAG_NOTES[WARM_START].replace(
-        "from a file without", f"from {source}, a file without", 1))
+        "were loaded from a file without", f"came from {source}, without", 1))
     flags &= ~WARM_START
   if isinstance(model, keras.layers.Layer):
     declared = _validate_names(getattr(model, "public_state", ()) or ())
@@ -532,7 +589,9 @@ def not_covered(model) -> tuple:
   return tuple(items)
 
 
-__all__ = ["FLAG_NOTES", "OBSERVES_ONLY_ATTRIBUTE", "PUBLIC_LOG_KEYS", "PUBLIC_STATE_DECLARED",
+__all__ = ["FLAG_NOTES", "OBSERVES_ONLY_ATTRIBUTE", "PRETRAINED_ATTRIBUTE", "PUBLIC_LOG_KEYS",
+           "PUBLIC_STATE_DECLARED",
            "TRAINING_LOG_HOOKS", "TRAINING_METRIC_CALLBACKS", "UNVERIFIED_BATCHES", "WARM_START",
            "check_data_derived_state", "data_derived_state", "flag_notes", "frozen_layers",
+           "pretrained_backbones", "record_initial_weights",
            "is_training_metric", "not_covered", "steering_callbacks"]

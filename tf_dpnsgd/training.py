@@ -883,7 +883,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  target_epsilon=None, noise_multiplier=None, delta=None, batch_size=None,
                  epochs=None, steps=None, sampling=None, accountant=None,
                  dataset_size=None, plan=None, keep_per_example_mib=None,
-                 length_key=None, noise=None, bands=None, blt_buffers=None) -> keras.Model:
+                 length_key=None, noise=None, bands=None, blt_buffers=None,
+                 pretrained=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -937,6 +938,10 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       ``physical_batch_size``, each chunk is cut to its own longest row (the
       sum, the noise and the ledger are the logical batch's; exact when the
       model masks its padding: ``docs/per_example.md``).
+    pretrained: where the starting weights came from when no ledger saw them: a string
+      (a keras-hub preset, a local folder, a checkpoint) the report names as not covered;
+      False declares a random initialisation; None names a keras-hub backbone's weights as
+      of undeclared source (:func:`tf_dpnsgd.coverage.record_initial_weights`).
     target_epsilon / noise_multiplier, delta, batch_size, epochs / steps,
       sampling, accountant, dataset_size: the privacy plan the model owns
       (:class:`~tf_dpnsgd.plan.PrivacyPlan`'s arguments; ``sampling``
@@ -969,6 +974,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       auto_bands=auto_bands or None)
   ledger = _ledger_for(model)
   _bind_ledger(model, ledger)
+  coverage.record_initial_weights(model, ledger, pretrained)
   options = dict(per_example=per_example, physical_batch_size=physical_batch_size,
                  num_microbatches=num_microbatches, trust_untagged_batches=trust_untagged_batches,
                  public_state=public_state, privacy_ledger=ledger, privacy_plan=owned,

@@ -166,6 +166,8 @@ def text_classifier(preset, num_classes=2, sequence_length=128, freeze_embedding
     freeze_lower_layers(classifier.backbone, trainable_layers)
   if pooling == "mean":
     classifier = mean_pooled_classifier(classifier.backbone, num_classes, dropout)
+  # make_private names the source in the privacy report (tf_dpnsgd.coverage.PRETRAINED_ATTRIBUTE).
+  classifier.dp_pretrained_source = f"keras-hub preset {preset}"
   return classifier, preprocessor
 
 
