@@ -223,17 +223,22 @@ def test_step_reporter_prints_slow_steps_and_at_least_every_interval_with_epsilo
   reporter = StepReporter(start_step=4, total_steps=20, plan=plan, every_s=30.0,
                           slow_step_s=2.0, clock=lambda: now[0], print_fn=lines.append)
   reporter.on_train_begin()
-  for step_time in (0.5, 0.5, 5.0, 0.5):  # first step: a line; the 5 s step: a line
+  # First step (tracing): 60 s, a line without ETA; the second: a line with the ETA of the
+  # steps after the first; the 5 s step: a line.
+  for step_time in (60.0, 0.5, 5.0, 0.5):
     now[0] += step_time
     reporter.on_train_batch_end(0, {"loss": 0.25})
-  assert len(lines) == 2, lines
+  assert len(lines) == 3, lines
   assert lines[0].startswith("step 5/20  loss 0.2500  epsilon ")
   assert f"epsilon {plan.epsilon(5):.3f}" in lines[0]
-  # After step 7 (6.0 s for 3 steps): 2.00 s/step, 13 steps left -> 26 s.
-  assert lines[1].endswith("2.00 s/step  ETA 0:00:26"), lines[1]
+  assert "first step 60.00 s" in lines[0] and "ETA 0" not in lines[0]
+  # After step 6: 0.5 s/step (the first step's 60 s left out), 14 steps left -> 7 s.
+  assert lines[1].endswith("0.50 s/step  ETA 0:00:07"), lines[1]
+  # After step 7 (5.5 s for the 2 steps after the first): 2.75 s/step, 13 left -> 36 s.
+  assert lines[2].endswith("2.75 s/step  ETA 0:00:36"), lines[2]
   for _ in range(70):  # fast steps: one line per 30 s
     now[0] += 1.0
     reporter.on_train_batch_end(0, {})
-  assert len(lines) == 2 + 2, lines  # at 36.5 s and 66.5 s since the last line
+  assert len(lines) == 3 + 2, lines  # at 30.5 s and 60.5 s since the last line
   from tf_dpnsgd import coverage
   assert coverage.steering_callbacks([reporter]) == []  # it prints; the report stays clean

@@ -320,8 +320,11 @@ class StepReporter(keras.callbacks.Callback):
 
   Prints a line after the first step, after every step that took at least
   ``slow_step_s`` and otherwise at most every ``every_s`` seconds:
-  ``step t/T  loss L  epsilon e  s/step d  ETA h:mm:ss``. The ETA is the mean
-  step time of this run so far times the steps left; epsilon is the plan's
+  ``step t/T  loss L  epsilon e  s/step d  ETA h:mm:ss``. The first step's line
+  gives its time alone (tracing, compilation and the first-batch checks) and no ETA;
+  from the second step on, the ETA is the mean time of the steps after the first
+  times the steps left (the first step's tracing would inflate it many times over
+  on a short run); epsilon is the plan's
   for the ledger's steps (public: a function of the step count), the loss the
   unprivatized training loss every progress bar shows.
 
@@ -345,24 +348,30 @@ class StepReporter(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     self._step = self.start_step
     self._began = self._last_step = self._last_line = self._clock()
+    self._first_end = None
 
   def on_train_batch_end(self, batch, logs=None):
     self._step += 1
     now = self._clock()
     took, self._last_step = now - self._last_step, now
     done = self._step - self.start_step
-    if not (done == 1 or took >= self.slow_step_s or now - self._last_line >= self.every_s):
+    if done == 1:
+      self._first_end = now
+    if not (done <= 2 or took >= self.slow_step_s or now - self._last_line >= self.every_s):
       return
     self._last_line = now
-    per_step = (now - self._began) / done
     parts = [f"step {self._step}/{self.total_steps}"]
     loss = (logs or {}).get("loss")
     if loss is not None:
       parts.append(f"loss {float(loss):.4f}")
     if self.plan is not None:
       parts.append(f"epsilon {self.plan.epsilon(self._step):.3f}")
-    parts += [f"{per_step:.2f} s/step",
-              f"ETA {eta_text(per_step * max(self.total_steps - self._step, 0))}"]
+    if done == 1:
+      parts.append(f"first step {took:.2f} s (tracing, compilation, checks; ETA from step 2)")
+    else:
+      per_step = (now - self._first_end) / (done - 1)
+      parts += [f"{per_step:.2f} s/step",
+                f"ETA {eta_text(per_step * max(self.total_steps - self._step, 0))}"]
     self._print("  ".join(parts))
 
 
