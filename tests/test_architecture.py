@@ -60,6 +60,8 @@ LONG_MODULES = {
                                           "capture's state",
     "tf_dpnsgd/ledger.py": "the ledger's entries, save hooks, forward-only restore (with the "
                            "merge of releases) and host checks are one unit of state",
+    "tf_dpnsgd/plan.py": "the plan's fields and the sampler, noise multiplier, event, report "
+                         "and ledger checks derived from them are one frozen object",
     "tf_dpnsgd/sampling.py": "the three samplers share one base class (index streams over "
                              "example identities, the tags the guard reads, the tf.data "
                              "pipeline), kept with the event each realises",

@@ -19,7 +19,9 @@ which, before Keras' compiled step runs on any batch:
    and that every real row may take part in this step by its sampling's rule,
    checked on the row's example identity (:mod:`tf_dpnsgd.participation`:
    cyclic Poisson, each row's part is ``t mod b``; shuffling, no example twice
-   in one epoch; every sampling, no example twice in one step);
+   in one epoch; every sampling, no example twice in one step); and that the
+   batch's privacy unit is the model's and the ledger's, each user-level unit
+   holding the rows of one user, no user in two units (:mod:`tf_dpnsgd.users`);
 4. at the start of every ``fit`` under a multi-worker strategy, checks that
    all workers hold the same ledger step and sampler seed (a collective);
 5. on the first batch after every ``compile``, probes the forward pass:
@@ -57,6 +59,7 @@ from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import padding_probe
 from tf_dpnsgd import participation
 from tf_dpnsgd import rows as rows_lib
+from tf_dpnsgd import users as users_lib
 
 
 
@@ -95,14 +98,18 @@ def _tags_row(tags):
 
 
 def _row_identity(x, y, mask, tags):
-  """``(examples, real, digest_ok, identities)`` per row: the ``dp_example`` tags, the
-  unmasked rows, whether each row's digest, recomputed now, is the one the sampler tagged,
-  and the ``dp_identity`` tags."""
+  """``(examples, real, digest_ok, identities, users)`` per row: the ``dp_example`` tags,
+  the unmasked rows, whether each row's digest, recomputed now, is the one the sampler
+  tagged, the ``dp_identity`` tags and the ``dp_user`` tags (empty if the batch has none:
+  not user-level)."""
   examples = tf.cast(tags[ledger_lib.DP_EXAMPLE_KEY], tf.int64)
   real = tf.ones_like(examples, tf.bool) if mask is None else tf.cast(mask, tf.bool)
   digest_ok = tf.equal(rows_lib.row_digests((x, y), xla=True),
                        tf.cast(tags[ledger_lib.DP_DIGEST_KEY], tf.int64))
-  return examples, real, digest_ok, tf.cast(tags[ledger_lib.DP_IDENTITY_KEY], tf.int64)
+  users = (tf.cast(tags[ledger_lib.DP_USER_KEY], tf.int64) if ledger_lib.DP_USER_KEY in tags
+           else tf.zeros([0], tf.int64))
+  return (examples, real, digest_ok, tf.cast(tags[ledger_lib.DP_IDENTITY_KEY], tf.int64),
+          users)
 
 
 def make_batch_reader(model):
@@ -131,7 +138,7 @@ def make_batch_reader(model):
       if tags is None:
         none = tf.zeros([0], tf.int64)
         return (tf.zeros([8], tf.int64), none, tf.cast(none, tf.bool), tf.cast(none, tf.bool),
-                none)
+                none, none)
       return (tf.identity(_tags_row(tags)),) + _row_identity(x, y, mask, tags)
 
   def read(data):
@@ -143,23 +150,38 @@ def make_batch_reader(model):
 
 
 def summarize(reader, strategy, data) -> tuple:
-  """The host's ``(BatchSummary, RowCheck, identities)`` of one (possibly distributed)
-  batch: its tags (:class:`~tf_dpnsgd.ledger.BatchSummary`), its rows over all local
-  replicas (:class:`~tf_dpnsgd.rows.RowCheck`) and the identities of its real rows
-  (:mod:`tf_dpnsgd.participation`; None if untagged)."""
+  """The host's ``(BatchSummary, RowCheck, identities, users)`` of one (possibly
+  distributed) batch: its tags (:class:`~tf_dpnsgd.ledger.BatchSummary`), its rows over
+  all local replicas (:class:`~tf_dpnsgd.rows.RowCheck`), the identities of its real rows
+  (:mod:`tf_dpnsgd.participation`; None if untagged) and, for a user-level batch,
+  ``(dp_user tags, real)`` of all its rows (:mod:`tf_dpnsgd.users`; else None)."""
   _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   tagged = isinstance(sample_weight, dict) and ledger_lib.DP_KIND_KEY in sample_weight
-  summary, examples, real, digest_ok, identities = (
+  summary, examples, real, digest_ok, identities, users = (
       [np.asarray(v) for v in strategy.experimental_local_results(part)]
       for part in reader(data))
   if not tagged:
-    return ledger_lib.BatchSummary(False), rows_lib.RowCheck(), None
+    return ledger_lib.BatchSummary(False), rows_lib.RowCheck(), None, None
   merged = ledger_lib.BatchSummary.merge(
       ledger_lib.BatchSummary(True, *[int(v) for v in t]) for t in summary)
   real = np.concatenate(real).astype(bool)
+  users = np.concatenate(users)
   return (merged, rows_lib.count_problems(np.concatenate(examples), real,
                                           np.concatenate(digest_ok)),
-          np.concatenate(identities)[real])
+          np.concatenate(identities)[real],
+          (users, real) if ledger_lib.DP_USER_KEY in sample_weight else None)
+
+
+def check_units(model, ledger, user_rows) -> None:
+  """The privacy unit of every batch is the model's and the ledger's, and a user-level
+  batch's units each hold one user, none twice (:mod:`tf_dpnsgd.users`). Raises before
+  any op of the step."""
+  rows_per_user = getattr(model, "_dp_rows_per_user", None)
+  users_lib.check_ledger_unit(rows_per_user, ledger)
+  for offset, pair in enumerate(user_rows):
+    where = f"batch {offset} of this call" if offset else "this batch"
+    users, real = (None, None) if pair is None else pair
+    users_lib.check_user_batch(rows_per_user, users, real, where)
 
 
 def check_participation(state, ledger, summaries, identities) -> list:
@@ -311,8 +333,8 @@ def wrap(model, main):
     batches = _take(iterator, max(1, int(model.steps_per_execution)))
     if getattr(model, "_dp_engine", None) is None:
       _build_and_choose_engine(model, batches[0])
-    summaries, row_checks, identities = zip(*[summarize(reader, strategy, data)
-                                              for data in batches])
+    summaries, row_checks, identities, user_rows = zip(*[summarize(reader, strategy, data)
+                                                         for data in batches])
     if state.fit_checks_pending:
       _check_workers(strategy, ledger, summaries[0])
       state.fit_checks_pending = False
@@ -324,6 +346,7 @@ def wrap(model, main):
     for offset, row_check in enumerate(row_checks):
       rows_lib.check_rows(row_check, offset)
     participations = check_participation(state, ledger, summaries, identities)
+    check_units(model, ledger, user_rows)
     if state.probe_pending:
       tested, interacting = probe(batches[0])
       if any(bool(t) for t in strategy.experimental_local_results(interacting)):

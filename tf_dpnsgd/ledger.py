@@ -33,6 +33,12 @@ entry                      meaning
                            rebuilt model renames them), their count and size;
                            written by every step, checked by the guard
                            (:func:`trainable_signature`)
+``privacy_unit``           what one step's contribution bound protects:
+                           ``example`` (or a microbatch) or ``user`` (all rows
+                           of one user id, :mod:`tf_dpnsgd.users`), with
+                           ``unit_rows`` (``k``, a user's most rows per step);
+                           written by every step, a model at one unit is
+                           refused at the other (:mod:`tf_dpnsgd.guard`)
 ``adaptive_steps``         steps that also released quantile-adaptive
                            clipping's noised count (Andrew et al. 2021); with
                            ``min_clipped_count_stddev`` (the smallest count
@@ -125,12 +131,19 @@ DP_PERIOD_KEY = "dp_period"
 DP_EXAMPLE_KEY = "dp_example"
 DP_DIGEST_KEY = "dp_digest"  # row content, checked by the guard (tf_dpnsgd.rows)
 DP_IDENTITY_KEY = "dp_identity"  # the example's identity (tf_dpnsgd.participation)
+DP_USER_KEY = "dp_user"  # user-level batches only: the row's user identity (tf_dpnsgd.users)
 TAG_KEYS = (DP_KIND_KEY, DP_STEP_KEY, DP_SAMPLER_KEY, DP_SEED_KEY, DP_PERIOD_KEY,
             DP_EXAMPLE_KEY, DP_DIGEST_KEY, DP_IDENTITY_KEY)
-BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY) + TAG_KEYS
+BATCH_KEYS = (DP_MASK_KEY, DP_DENOMINATOR_KEY, DP_USER_KEY) + TAG_KEYS
 
 UNTAGGED = "untagged"
-KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4, "cyclic_poisson": 5}
+KIND_CODES = {"poisson": 1, "uniform": 2, "shuffle": 3, UNTAGGED: 4, "cyclic_poisson": 5,
+              "user_poisson": 6}
+# The privacy unit of the steps (``privacy_unit`` entry): an example (or a microbatch of
+# examples), or a user's rows (tf_dpnsgd.users); 0: no step yet, or a ledger written before
+# the entry existed (whose steps were all example-level).
+UNIT_CODES = {"example": 1, "user": 2}
+UNIT_NAMES = {v: k for k, v in UNIT_CODES.items()}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
 _LEDGER_NAME = "dp_privacy_ledger"
 # Quantile-adaptive clipping: what its steps released, recorded by the step (the report
@@ -146,7 +159,7 @@ _SOURCE_BYTES = 256
 _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "user_seeded_steps",
            "min_noise_multiplier", "noise_generation", "lineage", "flags", "releases",
            RELEASE_FIELD, WARM_START_FIELD, "noise_bands", "trainable_digest",
-           "trainable_count", "trainable_size") + ADAPTIVE_FIELDS
+           "trainable_count", "trainable_size", "privacy_unit", "unit_rows") + ADAPTIVE_FIELDS
 _MIN_FIELDS = ("min_noise_multiplier",)  # start at +inf
 _SHAPES = {RELEASE_FIELD: (MAX_RELEASES,), WARM_START_FIELD: (_SOURCE_BYTES,)}
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
@@ -325,7 +338,7 @@ class PrivacyLedger(keras.layers.Layer):
   def __init__(self, **kwargs):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
-    dtypes = {"kind": "int32", "expected_kind": "int32", "min_noise_multiplier": "float32",
+    dtypes = {"kind": "int32", "expected_kind": "int32", "privacy_unit": "int32", "min_noise_multiplier": "float32",
               RELEASE_FIELD: "float64", WARM_START_FIELD: "int32"}
     dtypes.update({name: "float32" for name in ADAPTIVE_FIELDS[1:]})
     self._vars = {}
@@ -391,6 +404,20 @@ class PrivacyLedger(keras.layers.Layer):
                  ("trainable_digest", "trainable_count", "trainable_size"))
 
   @property
+  def privacy_unit(self) -> Optional[str]:
+    """``"example"`` or ``"user"``: the unit every step bounded (None before the first step;
+    ``"example"`` for a ledger written before this entry existed)."""
+    code = int(self._vars["privacy_unit"].numpy())
+    if code == 0:
+      return "example" if self.steps else None
+    return UNIT_NAMES.get(code, f"unknown ({code})")
+
+  @property
+  def unit_rows(self) -> int:
+    """``k``, the most rows of one user a user-level step used (0 for example-level)."""
+    return int(self._vars["unit_rows"].numpy())
+
+  @property
   def noise_generation(self) -> int:
     return int(self._vars["noise_generation"].numpy())
 
@@ -437,7 +464,8 @@ class PrivacyLedger(keras.layers.Layer):
 
   def to_dict(self) -> dict:
     """The public entries (no seed, no key; the seed hash is left out too)."""
-    return {"steps": self.steps, "batch_kind": self.kind,
+    return {"steps": self.steps, "batch_kind": self.kind, "privacy_unit": self.privacy_unit,
+            "max_examples_per_user": self.unit_rows or None,
             "user_seeded_noise_steps": self.user_seeded_steps,
             "min_noise_multiplier": (None if self.steps == 0 else self.min_noise_multiplier),
             "noise_generation": self.noise_generation, "flags": self.flags,
@@ -671,12 +699,13 @@ class PrivacyLedger(keras.layers.Layer):
 
   def record(self, tags, noise_multiplier: float, user_seeded: bool,
              adaptive: Optional[dict] = None, bands: int = 1,
-             trainable_variables=None) -> list:
+             trainable_variables=None, unit_rows: int = 0) -> list:
     """Assign ops recording one executed private step (run after the update).
 
     ``adaptive``: under quantile-adaptive clipping, what the step released besides the
     gradient (:meth:`tf_dpnsgd.PrivateOptimizer.apply_private_gradients`): its count
     noise ``clipped_count_stddev``, the new ``l2_norm_clip`` and the clip's settings.
+    ``unit_rows``: ``k`` of a user-level step (its unit is then a user); 0: an example.
     """
     v = self._vars
     if tags is None:
@@ -689,6 +718,9 @@ class PrivacyLedger(keras.layers.Layer):
     if tags is not None:
       ops.append(v["sampler"].assign(tf.cast(tags[DP_SAMPLER_KEY][0], tf.int64)))
       ops.append(v["sampler_seed_hash"].assign(tf.cast(tags[DP_SEED_KEY][0], tf.int64)))
+    unit = UNIT_CODES["user" if unit_rows else "example"]
+    ops += [v["privacy_unit"].assign(tf.constant(unit, tf.int32)),
+            v["unit_rows"].assign(tf.constant(int(unit_rows), tf.int64))]
     old_bands, bands = v["noise_bands"].value, tf.constant(int(bands), tf.int64)
     ops.append(v["noise_bands"].assign(tf.where(  # correlated noise: 1 b per ledger, else -1
         tf.equal(old_bands, 0) | tf.equal(old_bands, bands), bands, tf.constant(-1, tf.int64))))
@@ -785,6 +817,8 @@ def parse_batch_weights(sample_weight):
       raise ValueError(f"A tagged DP batch needs all of {list(TAG_KEYS)}; got {present}. "
                        "Build batches with plan.dataset(...).")
     tags = {k: sample_weight[k] for k in TAG_KEYS}
+    if DP_USER_KEY in sample_weight:
+      tags[DP_USER_KEY] = sample_weight[DP_USER_KEY]
   mask = denominator = None
   if DP_MASK_KEY in sample_weight:
     if DP_DENOMINATOR_KEY not in sample_weight:
@@ -800,6 +834,6 @@ def parse_batch_weights(sample_weight):
 
 __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
            "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_IDENTITY_KEY", "DP_PERIOD_KEY",
-           "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "KIND_CODES", "LedgerMismatchError",
+           "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "DP_USER_KEY", "KIND_CODES", "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
            "sampler_fingerprint", "seed_hash", "trainable_signature"]

@@ -47,6 +47,7 @@ from tf_dpnsgd import callbacks as callbacks_lib
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import noise_choice
 from tf_dpnsgd import plan as plan_lib
+from tf_dpnsgd import users as users_lib
 from tf_dpnsgd.correlated import blt as blt_lib
 
 
@@ -66,8 +67,11 @@ class PlanRequest:
   bands: int = 1  # > 1: correlated noise (BandMF) with cyclic Poisson sampling
   blt_buffers: int = 0  # > 0: BLT noise with this many buffers, separation `bands`
   auto_bands: int = 0  # > 0: noise="auto", independent or BandMF with at most this many bands
+  user_key: Optional[str] = None  # sampling="user_poisson": the user id column of x
+  max_examples_per_user: Optional[int] = None  # sampling="user_poisson": k
 
   def __post_init__(self):
+    users_lib.validate_plan(self.sampling, self.max_examples_per_user, self.user_key)
     if (self.target_epsilon is None) == (self.noise_multiplier is None):
       raise ValueError("make_private: give exactly one of `target_epsilon` and "
                        "`noise_multiplier`.")
@@ -88,7 +92,8 @@ class PlanRequest:
     the plan's accounting covers whichever it is)."""
     fields = dict(dataset_size=int(dataset_size), batch_size=self.batch_size,
                   sampling=self.sampling, delta=self.delta, steps=self.steps,
-                  epochs=self.epochs, accountant=self.accountant, bands=self.bands, seed=seed)
+                  epochs=self.epochs, accountant=self.accountant, bands=self.bands, seed=seed,
+                  user_key=self.user_key, max_examples_per_user=self.max_examples_per_user)
     if self.auto_bands:  # public settings only: a rerun (or a reload) chooses the same
       choice = noise_choice.choose_bands(
           dataset_size=int(dataset_size), batch_size=self.batch_size, delta=self.delta,
@@ -170,6 +175,44 @@ def noise_mechanism(noise, bands, sampling, blt_buffers=None):
   if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
     raise ValueError(f"noise='blt' needs an int `blt_buffers` >= 1; got {blt_buffers!r}.")
   return "cyclic_poisson", bands, buffers
+
+
+def unit_keywords(privacy_unit, user_key, max_examples_per_user, sampling, per_example="auto"):
+  """``(sampling, request keywords)`` of ``make_private``'s ``privacy_unit=``/``user_key=``/
+  ``max_examples_per_user=`` (:mod:`tf_dpnsgd.users`).
+
+  >>> unit_keywords(None, None, None, "uniform")
+  ('uniform', {})
+  >>> unit_keywords("user", "uid", 8, None)
+  ('user_poisson', {'user_key': 'uid', 'max_examples_per_user': 8})
+  """
+  if privacy_unit in (None, "example"):
+    if user_key is not None or max_examples_per_user is not None:
+      raise ValueError("`user_key` and `max_examples_per_user` are user-level settings: add "
+                       "privacy_unit='user'.")
+    return sampling, {}
+  if privacy_unit != "user":
+    raise ValueError(f"`privacy_unit` must be one of {users_lib.PRIVACY_UNITS}; got "
+                     f"{privacy_unit!r}.")
+  if sampling not in (None, "poisson", users_lib.SAMPLING):
+    raise ValueError(f"privacy_unit='user' samples users by Poisson sampling (q = "
+                     f"batch_size / users); got sampling={sampling!r}. Drop `sampling`.")
+  if user_key is None or max_examples_per_user is None:
+    raise ValueError("privacy_unit='user' needs user_key=<the user id column of x> and "
+                     "max_examples_per_user=k (the most rows of one user a step uses).")
+  if per_example not in ("auto", "microbatch"):
+    raise ValueError(f"privacy_unit='user' computes each user's gradient with its own "
+                     f"exact engine (one user at a time); per_example={per_example!r} does "
+                     "not apply: leave it 'auto'.")
+  return users_lib.SAMPLING, {"user_key": user_key,
+                              "max_examples_per_user": max_examples_per_user}
+
+
+def rows_per_user(owned) -> Optional[int]:
+  """``k`` of a user-level plan or request (None: example-level)."""
+  if getattr(owned, "sampling", None) != users_lib.SAMPLING:
+    return None
+  return int(owned.max_examples_per_user)
 
 
 def request_of(plan=None, **keywords):
@@ -287,13 +330,22 @@ def fit_arguments(model, arguments: dict) -> dict:
       raise ValueError(f"DP training does not take `{name}`: weights change each example's "
                        "contribution and hence the sensitivity.")
   split = float(args.pop("validation_split", 0.0) or 0.0)
+  user_key = getattr(model._dp_owned_plan, "user_key", None)
+  if split and user_key is not None:
+    raise ValueError("validation_split cuts rows, so one user's rows would land on both sides "
+                     "(and the validation metrics would not be held out): give "
+                     "validation_data=(x_val, y_val) of other users, without the user column.")
   if split:
     if args.get("validation_data") is not None:
       raise ValueError("Give `validation_split` or `validation_data`, not both.")
     n_train = int(_leading(x) * (1.0 - split))
     (x, x_val), (y, y_val) = _split(x, n_train), _split(y, n_train)
     args["validation_data"] = (x_val, y_val)
-  plan = model._dp_resolve_plan(_leading(x))
+  if user_key is not None:  # user-level: the plan's N is the number of users
+    units = users_lib.num_users(users_lib.split_user_column(x, user_key)[1])
+  else:
+    units = _leading(x)
+  plan = model._dp_resolve_plan(units)
   _check_against_plan(plan, args, model)
   fit_kwargs = plan.fit_kwargs(model)
   user_callbacks = list(args.pop("callbacks", None) or [])

@@ -1,5 +1,8 @@
 """One plan object: the sampler, the noise multiplier, the event and the report, together.
 
+This module is long (about 620 lines): the plan's fields and everything derived from them
+(sampler, noise, event, report, ledger checks) are one frozen object, kept in one file.
+
 A :class:`PrivacyPlan` holds the few numbers a privacy claim rests on
 (``N``, ``B``, the sampling, steps or epochs, ``sigma`` or a target
 epsilon, ``delta``) and derives everything else from them, so the batches
@@ -53,6 +56,7 @@ from tf_dpnsgd import coverage
 from tf_dpnsgd import distribution
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import sampling as sampling_lib
+from tf_dpnsgd import users as users_lib
 from tf_dpnsgd.correlated import sampling as correlated_lib
 
 
@@ -105,8 +109,12 @@ class PrivacyPlan:
   releases: tuple = ()
   bands: int = 1  # sampling="cyclic_poisson": b parts, b-banded noise (tf_dpnsgd.correlated)
   blt: tuple = ()  # (theta, omega): BLT noise, accounted without amplification
+  user_key: Optional[str] = None  # sampling="user_poisson": the user id column (tf_dpnsgd.users)
+  max_examples_per_user: Optional[int] = None  # sampling="user_poisson": k rows per user
 
   def __post_init__(self):
+    users_lib.validate_plan(self.sampling, self.max_examples_per_user, self.user_key,
+                            self.releases)
     object.__setattr__(self, "releases", tuple(
         accounting.validate_noise_multiplier(r) for r in self.releases))
     accounting.validate_dataset_and_batch(self.dataset_size, self.batch_size)
@@ -125,7 +133,8 @@ class PrivacyPlan:
       accounting.validate_target_epsilon(self.target_epsilon)
     if not self.calibration_tolerance > 0:
       raise ValueError(f"`calibration_tolerance` must be > 0; got {self.calibration_tolerance!r}.")
-    if self.sampling not in ("poisson", "cyclic_poisson") and self.max_batch_size is not None:
+    if self.sampling not in ("poisson", "cyclic_poisson", "user_poisson") \
+        and self.max_batch_size is not None:
       raise ValueError("`max_batch_size` applies to Poisson sampling only.")
     self.spec  # validates the sampling/accountant/bound/conversion combination
     object.__setattr__(self, "blt", self.spec.blt)  # as tuples of floats (JSON gives lists)
@@ -179,6 +188,11 @@ class PrivacyPlan:
 
   @functools.cached_property
   def sampler(self) -> sampling_lib.Sampler:
+    if self.sampling == users_lib.SAMPLING:  # N = users, B = users per batch
+      return users_lib.UserPoissonSampler(
+          self.dataset_size, self.batch_size, self.max_examples_per_user, seed=self.seed,
+          max_users=self.max_batch_size, overflow_probability=self.overflow_probability,
+          spec=self.spec)
     kwargs = {}
     if self.sampling in ("poisson", "cyclic_poisson"):
       kwargs = {"max_batch_size": self.max_batch_size,
@@ -215,6 +229,7 @@ class PrivacyPlan:
     report = accountant.report(
         steps, target_epsilon=target,
         calibration_tolerance=None if target is None else self.calibration_tolerance)
+    notes = tuple(notes) + users_lib.report_notes(self)
     if notes:
       report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(notes))
     return report
@@ -224,6 +239,7 @@ class PrivacyPlan:
     for what ``ledger`` (or a model's ledger) recorded; returns notes for the report."""
     ledger = _as_ledger(ledger)
     self._check_releases(ledger)
+    users_lib.check_ledger_unit(self.max_examples_per_user, ledger)
     steps = ledger.steps
     if steps == 0:
       return []
@@ -319,8 +335,9 @@ class PrivacyPlan:
                    "covers all of them.")
     notes.extend(self._adaptive_clipping_notes(ledger))
     # What the model depends on outside the Gaussian mechanism (tf_dpnsgd.coverage).
-    return dataclasses.replace(self._report(steps, notes, releases=releases),
-                               not_covered=coverage.not_covered(model))
+    return dataclasses.replace(
+        self._report(steps, notes, releases=releases),
+        not_covered=tuple(coverage.not_covered(model)) + users_lib.not_covered(self))
 
   def _adaptive_clipping_notes(self, ledger) -> list:
     """What the report says about adaptive clipping's count query, from what the ledger
@@ -393,7 +410,7 @@ class PrivacyPlan:
   # --- training helpers ------------------------------------------------------
   def dataset(self, x, y, start_step: Optional[int] = None, model=None,
               num_replicas: Optional[int] = None, *, augment=None, multiplicity: int = 1,
-              **removed):
+              user_ids=None, **removed):
     """The sampler's infinite ``tf.data`` stream (see :meth:`fit_kwargs`).
 
     Args:
@@ -419,6 +436,8 @@ class PrivacyPlan:
         ``make_private(views.multi_view(head, K))`` compiled with
         ``loss=views.view_mean_loss()`` (:mod:`tf_dpnsgd.models.views`;
         evaluate ``head`` on plain inputs). Needs ``augment``.
+      user_ids: user-level plans (``sampling="user_poisson"``): one user id per row;
+        default: ``x[user_key]`` (removed from ``x`` before the model sees it).
 
     Augmentation goes through ``augment`` only. The batches carry each row's
     example index and content digest (:mod:`tf_dpnsgd.rows`); a ``.map``,
@@ -458,10 +477,18 @@ class PrivacyPlan:
         ledger.sync()
         return ledger.steps
 
+    unit = {}
+    if self.sampling == users_lib.SAMPLING:
+      if user_ids is None:
+        x, user_ids = users_lib.split_user_column(x, self.user_key)
+      unit = {"user_ids": user_ids}
+    elif user_ids is not None:
+      raise ValueError("`user_ids` is for user-level plans (sampling='user_poisson').")
+
     def stream(replica):
       return self.sampler.dataset(x, y, start_step=first, num_replicas=num_replicas,
                                   replica_id=replica, augment=augment,
-                                  multiplicity=multiplicity)
+                                  multiplicity=multiplicity, **unit)
 
     if (strategy is not None and num_replicas > 1
         and num_replicas == distribution.num_replicas(strategy)

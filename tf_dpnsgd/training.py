@@ -404,6 +404,11 @@ class _DPTrainer:
     self._dp_plan.check_optimizer(self.optimizer)
 
   @property
+  def _dp_rows_per_user(self):
+    """``k`` when each unit is one user's rows (``privacy_unit='user'``), else None."""
+    return owned_plan_lib.rows_per_user(getattr(self, "_dp_owned_plan", None))
+
+  @property
   def trust_untagged_batches(self) -> bool:
     """Whether untagged batches from a user pipeline are accepted (an unverified assumption
     that the report lists); False: only sampler batches and in-memory arrays."""
@@ -709,6 +714,8 @@ class _DPTrainer:
 
     unit_valid = tf.math.is_finite(out.norms)
     unit_real = tf.ones_like(unit_valid) if mask is None else mask
+    if out.unit_mask is not None:  # units of several rows (user-level): the slots' mask
+      unit_real = out.unit_mask
     nonfinite = tf.logical_and(unit_real, tf.logical_not(unit_valid))
     self._dp_nonfinite_tracker.update_state(tf.reduce_sum(tf.cast(nonfinite, tf.float32)))
     ok = tf.logical_and(unit_real, unit_valid)
@@ -884,7 +891,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  epochs=None, steps=None, sampling=None, accountant=None,
                  dataset_size=None, plan=None, keep_per_example_mib=None,
                  length_key=None, noise=None, bands=None, blt_buffers=None,
-                 pretrained=None) -> keras.Model:
+                 pretrained=None, privacy_unit=None, user_key=None,
+                 max_examples_per_user=None) -> keras.Model:
   """Returns a model that shares ``model``'s layers and weights and trains with DP.
 
   One call (:mod:`tf_dpnsgd.owned_plan`)::
@@ -933,6 +941,15 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       default 32): independent noise or BandMF, whichever the plan's accounting and the
       strategies predict leaves less noise in the model (:mod:`tf_dpnsgd.noise_choice`),
       chosen when ``N`` is known. Default: independent noise.
+    privacy_unit, user_key, max_examples_per_user: ``privacy_unit="user"`` makes a
+      person the privacy unit (user-level DP, :mod:`tf_dpnsgd.users`,
+      ``docs/user_level.md``): ``fit`` reads each row's user id from the column
+      ``user_key`` of dict inputs (removed before the model sees them), the plan samples
+      USERS by Poisson sampling (``batch_size`` users per batch on average,
+      ``dataset_size`` the number of users), each sampled user contributes at most
+      ``max_examples_per_user`` rows (a public hash order of the rows), its mean-loss
+      gradient is normalized or clipped once, and the epsilon is for adding or removing
+      one user. Default ``"example"``.
     length_key: text batches at their real length: the key of the padding mask
       in dict inputs (e.g. ``"padding_mask"`` of keras-hub encoders); with
       ``physical_batch_size``, each chunk is cut to its own longest row (the
@@ -962,6 +979,8 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     inputs, outputs = model.input, model.output
   except (AttributeError, ValueError):
     inputs = outputs = None
+  sampling, unit = owned_plan_lib.unit_keywords(privacy_unit, user_key, max_examples_per_user,
+                                                sampling, per_example)
   auto_bands = owned_plan_lib.auto_max_bands(noise, bands, sampling)  # noise="auto": chosen at resolve
   if auto_bands:
     noise = bands = None
@@ -971,7 +990,7 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
       plan, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, delta=delta,
       batch_size=batch_size, epochs=epochs, steps=steps, sampling=sampling,
       accountant=accountant, dataset_size=dataset_size, bands=bands, blt_buffers=blt_buffers,
-      auto_bands=auto_bands or None)
+      auto_bands=auto_bands or None, **unit)
   ledger = _ledger_for(model)
   _bind_ledger(model, ledger)
   coverage.record_initial_weights(model, ledger, pretrained)

@@ -66,12 +66,13 @@ from tf_dpnsgd.accounting.adaptive import (adaptive_clipping_event,
                                            default_clipped_count_stddev,
                                            effective_noise_multiplier, gradient_noise_multiplier,
                                            validate_clipped_count_stddev)
+from tf_dpnsgd.accounting.group import example_level_for_group, group_privacy_epsilon
 
 __all__ = [
     "ACCOUNTANTS", "AccountingError", "adaptive_clipping_event",
     "default_clipped_count_stddev", "effective_noise_multiplier", "gradient_noise_multiplier",
     "validate_clipped_count_stddev", "AccountingSpec", "BOUNDS", "CONVERSIONS", "CONVERTERS",
-    "DEFAULT_ORDERS", "NEIGHBORING_RELATIONS", "NeighboringRelation", "PAPER_CONDITIONS",
+    "DEFAULT_ORDERS", "example_level_for_group", "group_privacy_epsilon", "NEIGHBORING_RELATIONS", "NeighboringRelation", "PAPER_CONDITIONS",
     "PAPER_CONSTANT", "PAPER_MAX_RHO", "PAPER_MAX_SAMPLING_RATIO", "PaperBoundConditionError",
     "PrivacyReport", "RdpCurve", "SAMPLINGS", "StepAccountant", "UnsupportedAccountingError",
     "WOR_ORDERS", "calibrate", "calibrate_noise_multiplier", "classic_epsilon", "common_orders",

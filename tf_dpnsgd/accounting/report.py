@@ -91,8 +91,10 @@ class PrivacyReport:
     """A readable privacy statement (in the spirit of tensorflow-privacy's)."""
     spec = self.spec
     a = spec.assumptions()
+    user = spec.sampling == "user_poisson"  # the unit is a user (tf_dpnsgd.users)
+    units = "users" if user else "examples"
     lines = [
-        f"DP training over N = {spec.dataset_size} examples, batch size B = {spec.batch_size} "
+        f"DP training over N = {spec.dataset_size} {units}, batch size B = {spec.batch_size} "
         f"(q = B/N = {spec.sampling_rate:.6g}), {self.steps} steps ({self.epochs:.4g} epochs), "
         f"noise multiplier {self.noise_multiplier:.6g}.",
     ]
@@ -103,7 +105,8 @@ class PrivacyReport:
     order = "" if self.optimal_order is None else f" (optimal RDP order {self.optimal_order:.4g})"
     lines += [
         "",
-        f"Example-level DP, {a['neighboring_relation']} neighbours, at delta = {self.delta:g}:",
+        f"{'User' if user else 'Example'}-level DP, {a['neighboring_relation']} neighbours, "
+        f"at delta = {self.delta:g}:",
         f"    epsilon = {self.epsilon:.6g}{order}",
         "",
         "Assumptions:",
@@ -113,7 +116,9 @@ class PrivacyReport:
         f"  * Conversion: {a['conversion']}.",
         f"  * The guarantee protects {a['protects']}",
         "  * The sampling randomness (sampler seed) and the noise seed stay secret.",
-        "  * No user-level guarantee: it assumes each person contributes one example.",
+        ("  * User-level: every row of one user id is in one bounded contribution per step "
+         "(at most k rows of it)." if user else
+         "  * No user-level guarantee: it assumes each person contributes one example."),
     ]
     if self.optimal_bound is not None:
       lines.append(f"  * At the optimal order the smaller bound was: {self.optimal_bound}.")

@@ -15,7 +15,13 @@ uniform    replace one             ``SampledWithoutReplacement(N, B,   ``rdp`` (
 shuffle    replace one             ``Gaussian(s/2)`` (rdp) or          ``rdp``, ``pld``
                                    ``Gaussian(s)`` (pld), composed
                                    once per epoch; no amplification
+user_      add/remove one USER     ``PoissonSampled(q, Gaussian(s))``  ``rdp``, ``pld``
+poisson    (all of their rows)     with ``q = B/U`` over ``U`` users
 =========  ======================  ==================================  =========================
+
+``user_poisson`` (:mod:`tf_dpnsgd.users`) is Poisson sampling with the privacy unit a
+user: ``N`` is the number of users ``U``, ``B`` the expected users per batch, and the
+sum is over users' bounded contributions, so the numbers are Poisson's over ``U`` units.
 
 Replace-one doubles the sensitivity: swapping one example for another can
 move the sum by ``2S``. dp-accounting (0.6) is inconsistent about who pays
@@ -71,7 +77,7 @@ from tf_dpnsgd.accounting.validation import (AccountingError, UnsupportedAccount
 
 NeighboringRelation = dp_accounting.NeighboringRelation
 
-SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson")
+SAMPLINGS = ("poisson", "uniform", "shuffle", "cyclic_poisson", "user_poisson")
 ACCOUNTANTS = ("rdp", "pld")
 BOUNDS = ("default", "paper", "min")
 CONVERSIONS = ("modern", "classic")
@@ -79,6 +85,7 @@ CONVERSIONS = ("modern", "classic")
 NEIGHBORING_RELATIONS = {
     "poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,
     "cyclic_poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "user_poisson": NeighboringRelation.ADD_OR_REMOVE_ONE,  # one user, all of their rows
     "uniform": NeighboringRelation.REPLACE_ONE,
     "shuffle": NeighboringRelation.REPLACE_ONE,
 }
@@ -259,7 +266,7 @@ class AccountingSpec:
     gaussian = dp_accounting.GaussianDpEvent(m)
     if self.blt:
       return gaussian
-    if self.sampling in ("poisson", "cyclic_poisson"):
+    if self.sampling in ("poisson", "cyclic_poisson", "user_poisson"):
       return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
     if self.sampling == "uniform":
       return dp_accounting.SampledWithoutReplacementDpEvent(
@@ -305,6 +312,8 @@ class AccountingSpec:
         NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove one example",
         NeighboringRelation.REPLACE_ONE: "replace one example",
     }[self.neighboring_relation]
+    if self.sampling == "user_poisson":
+      relation = "add/remove one user (all of their rows: user-level DP)"
     sampling = {
         "poisson": f"Poisson sampling: each step includes each example independently with "
                    f"probability q = B/N = {self.sampling_rate:.6g} (variable batch size).",
@@ -322,6 +331,10 @@ class AccountingSpec:
                               "with b-banded correlated noise of sensitivity 1 per "
                               "participation, accounted as DP-SGD at q_b over ceil(steps / b) "
                               "steps (Choquette-Choo et al. 2023, Thm. 4)."),
+        "user_poisson": f"User-level Poisson sampling: each step includes each USER "
+                        f"independently with probability q = B/U = {self.sampling_rate:.6g} "
+                        f"(U = {self.dataset_size} users, B = {self.batch_size} expected per "
+                        "batch), at most k rows of each (tf_dpnsgd.users).",
         "shuffle": f"Each epoch is a random permutation cut into {self.steps_per_epoch} "
                    "disjoint batches (each example at most once per epoch). NO amplification "
                    "by subsampling is proven for shuffling, so none is claimed: every epoch is "
@@ -333,6 +346,8 @@ class AccountingSpec:
     else:
       sensitivity = ("the noised sum changes by up to 2S between neighbours (one bounded "
                      "contribution swapped for another); accounted explicitly")
+    if self.sampling == "user_poisson":
+      sensitivity = sensitivity.replace("per-example bound", "per-user bound")
     if self.accountant == "pld":
       accountant = "dp-accounting PLD accountant (connect-the-dots, pessimistic)"
     elif self.bound == "default":

@@ -24,6 +24,8 @@ class EngineOutput:
     factors: ``[U]`` factors ``h_u`` (0 for masked or non-finite units).
     losses: ``[B]`` per-example losses (for logging only).
     y_pred: the model's outputs for the ``B`` examples (for metrics only).
+    unit_mask: ``[U]`` bool, the units with a real row, when units are not rows
+      (user-level slots, :mod:`~tf_dpnsgd.per_example.units`); None otherwise.
   """
 
   summed: list[tf.Tensor]
@@ -31,6 +33,7 @@ class EngineOutput:
   factors: tf.Tensor
   losses: tf.Tensor
   y_pred: Any
+  unit_mask: Any = None
 
 
 def output_spec(model, x):

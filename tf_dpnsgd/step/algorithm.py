@@ -9,7 +9,9 @@ phase       what runs, and where
 1 contribute ``sum_i h_i g_i``: per-example gradients normalized
             (``h_i = 1/(r + ||g_i||)``, DP-NSGD) or clipped (``min(1, c/||g_i||)``,
             DP-SGD) by the transform, which carries its sensitivity ``S``
-            (:mod:`tf_dpnsgd.step.contributions`, :mod:`tf_dpnsgd.per_example`)
+            (:mod:`tf_dpnsgd.step.contributions`, :mod:`tf_dpnsgd.per_example`); at the
+            user level a unit is one user's rows, its mean-loss gradient bounded once
+            (:mod:`tf_dpnsgd.per_example.units`, :mod:`tf_dpnsgd.users`)
 2 privatize ``(sum + N(0, (sigma S)^2 I)) / D``: ONE draw keyed by the ledger's
             ``[lineage, generation, step]``, ``S`` taken only from the transform,
             ``D`` the public denominator (``B``, or ``qN`` under Poisson sampling); one
@@ -97,7 +99,8 @@ def dp_step(model, x, y, mask, denominator, tags, num_microbatches):
     # adaptive clipping's count noise and clip go to the ledger too (the report reads them).
     ledger.record(tags, optimizer.noise_multiplier, user_seeded=optimizer.seed is not None,
                   adaptive=released, bands=getattr(optimizer, "bands", 1),
-                  trainable_variables=variables)
+                  trainable_variables=variables,
+                  unit_rows=getattr(model, "_dp_rows_per_user", None) or 0)
   return out, reg_loss
 
 

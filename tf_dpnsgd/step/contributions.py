@@ -25,6 +25,7 @@ import tensorflow as tf
 from tf_dpnsgd import per_example as per_example_lib
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import loss_scale as loss_scale_lib
+from tf_dpnsgd.per_example import units as units_lib
 
 
 def chunk_rows(i, size, batch):
@@ -111,6 +112,15 @@ def contributions(model, x, y, mask, num_microbatches, transform, length_key=Non
   size = model.physical_batch_size
   if length_key is None:
     length_key = getattr(model, "_dp_length_key", None)
+  rows_per_user = getattr(model, "_dp_rows_per_user", None)
+  if rows_per_user:  # user-level: units of k rows, one user each (tf_dpnsgd.users)
+    if size is not None or num_microbatches:
+      raise ValueError("User-level units (privacy_unit='user') are groups of k rows already: "
+                       "drop physical_batch_size and num_microbatches.")
+    return loss_scale_lib.scaled_contributions(units_lib.user_unit_engine, model,
+                                               model._dp_loss_fn, x, y, transform,
+                                               model.loss_scale, mask=mask,
+                                               rows_per_unit=rows_per_user)
   if size is None:
     return loss_scale_lib.scaled_contributions(engine, model, model._dp_loss_fn, x, y,
                                                transform, model.loss_scale, mask=mask,

@@ -1,0 +1,135 @@
+"""Units of several rows with a row mask: one user's rows (user-level DP, :mod:`tf_dpnsgd.users`).
+
+The batch is ``U`` slots of ``k`` rows (rows ``[u k, (u + 1) k)`` belong to slot ``u``).
+For each slot, in a ``tf.while_loop`` (one slot at a time, like the microbatch engine,
+so any model an ordinary step runs works): the gradient ``g_u`` of the MEAN loss of the
+slot's real rows (``mask``), its norm, the transform's factor ``h_u`` and ``h_u g_u``
+added to the sum.
+
+==============================  =================================================
+case                            contribution of the slot
+==============================  =================================================
+``m`` real rows (1 <= m <= k)   ``h(||g_u||) g_u``, ``g_u`` = grad of
+                                ``sum_{real i} loss_i / m`` (norm <= ``S``)
+padding rows of a real slot     exactly 0: replaced by a copy of the slot's
+                                first real row before the forward pass (so a
+                                NaN/inf they hold never reaches ``g_u``), their
+                                losses then selected away with ``tf.where``
+no real row (a padding slot)    exactly 0 (factor 0, zeroed with ``tf.where``)
+non-finite ``g_u``              exactly 0 (the transform's factor 0)
+==============================  =================================================
+
+Formal guarantee: every slot's contribution has norm at most ``transform.sensitivity``,
+whatever its rows hold; with one user per slot (checked on the host,
+:func:`tf_dpnsgd.users.check_user_batch`) that is the user-level bound. Tested against a
+loop of one ``tf.GradientTape`` per user (``tests/test_user_level.py``).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dpnsgd import transforms
+from tf_dpnsgd.per_example import factored
+from tf_dpnsgd.per_example import stateless
+from tf_dpnsgd.per_example.base import EngineOutput, output_spec, variable_gradients
+from tf_dpnsgd.per_example.vectorized import batch_size_of, check_no_sparse_inputs
+
+
+def unit_mask(mask, batch, rows_per_unit):
+  """``[batch / k]`` bool: the slots with at least one real row.
+
+  >>> unit_mask(tf.constant([True, False, False, False]), 4, 2).numpy().tolist()
+  [True, False]
+  """
+  real = tf.ones([batch], tf.bool) if mask is None else tf.cast(mask, tf.bool)
+  return tf.reduce_any(tf.reshape(real, [-1, int(rows_per_unit)]), axis=1)
+
+
+def masked_mean(losses, mask):
+  """Mean of ``losses`` over the True rows of ``mask`` (0 if none), the others selected away
+  with ``tf.where`` (a NaN there does not reach the value).
+
+  >>> float(masked_mean(tf.constant([1., 3., float("nan")]), tf.constant([True, True, False])))
+  2.0
+  """
+  losses = tf.cast(tf.reshape(losses, [-1]), tf.float32)
+  kept = tf.where(mask, losses, tf.zeros_like(losses))
+  return tf.reduce_sum(kept) / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32)), 1.0)
+
+
+@tf.autograph.experimental.do_not_convert
+def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=None,
+                     variables=None) -> EngineOutput:
+  """Transformed sum of per-slot gradients of the slots' masked mean losses.
+
+  Args:
+    model, loss_fn, x, y, transform: as
+      :func:`tf_dpnsgd.per_example.vectorized.vectorized_engine`.
+    mask: ``[B]`` bool, the real rows (None: all).
+    rows_per_unit: ``k``, the rows of one slot; must divide ``B``.
+    variables: variables to differentiate (default ``model.trainable_variables``).
+
+  Returns:
+    :class:`EngineOutput` with ``[B / k]`` norms and factors, ``[B]`` losses and
+    predictions, and ``unit_mask`` (the slots with a real row).
+  """
+  check_no_sparse_inputs(x, "user-level units")
+  k = int(rows_per_unit or 0)
+  if k < 1:
+    raise ValueError(f"`rows_per_unit` must be an integer >= 1; got {rows_per_unit!r}.")
+  if variables is None:
+    variables = model.trainable_variables
+  batch = batch_size_of(x)
+  static = tf.get_static_value(batch)
+  if static is None:
+    raise ValueError("User-level units need a static batch size (the sampler's batches have "
+                     "one).")
+  if int(static) % k:
+    raise ValueError(f"A user-level batch has whole units of k = {k} rows; got {static} rows.")
+  units = int(static) // k
+  row_mask = tf.ones([units * k], tf.bool) if mask is None else tf.cast(mask, tf.bool)
+  slots = unit_mask(row_mask, units * k, k)
+
+  y_spec = output_spec(model, x)
+  pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
+
+  def new_ta(dtype):
+    return tf.TensorArray(dtype, size=units, infer_shape=False)
+
+  def body(u, acc, ta_losses, ta_norms, ta_factors, ta_preds):
+    m = row_mask[u * k:(u + 1) * k]
+    # Padding rows become copies of the slot's first real row before the forward pass, so
+    # nothing they held (a NaN, an infinity) reaches the gradient, not even through a
+    # weight gradient x * 0; their losses are then selected away (masked_mean).
+    first = tf.argmax(tf.cast(m, tf.int32), output_type=tf.int32)  # 0 if no real row
+    rows = u * k + tf.where(m, tf.range(k), first)
+    x_u = tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
+    y_u = tf.nest.map_structure(lambda t: tf.gather(t, rows), y)
+    with tf.GradientTape() as tape:
+      with stateless.NoStateWrites(model):  # only the seed generators may advance
+        y_pred = model(x_u, training=True)
+        losses = loss_fn(y_u, y_pred)
+      loss = masked_mean(losses, m)
+    grads = [g[None] for g in variable_gradients(tape, loss, variables)]  # [1, ...]
+    contribution, norms, factors = transforms.transform_and_sum(grads, transform,
+                                                                slots[u:u + 1])
+    acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, contribution)]
+    preds = [ta.write(u, p) for ta, p in zip(ta_preds, tf.nest.flatten(y_pred))]
+    return (u + 1, acc, ta_losses.write(u, tf.cast(tf.reshape(losses, [-1]), tf.float32)),
+            ta_norms.write(u, norms), ta_factors.write(u, factors), preds)
+
+  init = (tf.constant(0), [factored.runtime_zeros(v.shape, v.dtype) for v in variables],
+          new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
+          [new_ta(d) for d in pred_dtypes])
+  _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
+      lambda u, *_: u < units, body, init, parallel_iterations=1)
+  preds = [tf.ensure_shape(ta.concat(), (None,) + tuple(spec.shape[1:]))
+           for ta, spec in zip(ta_p, tf.nest.flatten(y_spec))]
+  return EngineOutput(summed=acc, norms=tf.reshape(ta_n.concat(), [-1]),
+                      factors=tf.reshape(ta_f.concat(), [-1]),
+                      losses=tf.reshape(ta_l.concat(), [-1]),
+                      y_pred=tf.nest.pack_sequence_as(y_spec, preds), unit_mask=slots)
+
+
+__all__ = ["masked_mean", "unit_mask", "user_unit_engine"]
