@@ -303,6 +303,31 @@ def _split(structure, n_train):
           tf.nest.map_structure(lambda a: np.asarray(a)[n_train:], structure))
 
 
+def preprocessed(model, x, chunk: int = 1024):
+  """``x`` through the private model's task preprocessor (a keras-hub task's
+  ``preprocessor``, kept by ``make_private``), on the host, ``chunk`` rows at a time, BEFORE
+  the sampler: the sampler's rows, tags and identities are then the model's inputs, one
+  example per row. A keras-hub text preprocessor tokenizes each string alone and packs it
+  to a fixed ``sequence_length``, so a row's output depends on that row only. Inputs that
+  already hold the model's input names pass unchanged, as does everything when the model
+  has no preprocessor."""
+  preprocessor = getattr(model, "_dp_preprocessor", None)
+  if preprocessor is None or x is None:
+    return x
+  try:
+    inputs = model.input
+  except (AttributeError, ValueError):  # a subclassed model
+    inputs = None
+  if isinstance(x, dict) and (not isinstance(inputs, dict) or set(inputs) <= set(x)):
+    return x  # already the model's inputs
+  rows = _leading(x)
+  parts = []
+  for start in range(0, rows, chunk):
+    piece = tf.nest.map_structure(lambda a: np.asarray(a)[start:start + chunk], x)
+    parts.append(tf.nest.map_structure(np.asarray, preprocessor(piece)))
+  return tf.nest.map_structure(lambda *a: np.concatenate(a), *parts)
+
+
 def fit_arguments(model, arguments: dict) -> dict:
   """The arguments of ``keras.Model.fit`` for a plain ``fit`` call of a plan-owning model.
 
@@ -329,6 +354,10 @@ def fit_arguments(model, arguments: dict) -> dict:
     if args.get(name) is not None:
       raise ValueError(f"DP training does not take `{name}`: weights change each example's "
                        "contribution and hence the sensitivity.")
+  x = preprocessed(model, x)
+  if args.get("validation_data") is not None:
+    x_val, *rest = args["validation_data"]
+    args["validation_data"] = (preprocessed(model, x_val), *rest)
   split = float(args.pop("validation_split", 0.0) or 0.0)
   user_key = getattr(model._dp_owned_plan, "user_key", None)
   if split and user_key is not None:

@@ -999,6 +999,14 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
                  public_state=public_state, privacy_ledger=ledger, privacy_plan=owned,
                  keep_per_example_mib=keep_per_example_mib, length_key=length_key)
   if inputs is not None and outputs is not None:
-    return DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
-  logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
-  return PrivateModelWrapper(model, name=f"private_{model.name}", **options)
+    private = DPModel(inputs=inputs, outputs=outputs, name=model.name, **options)
+  else:
+    logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
+    private = PrivateModelWrapper(model, name=f"private_{model.name}", **options)
+  # A keras-hub task's preprocessor: the owned plan's fit applies it before the sampler
+  # (owned_plan.preprocessed); kept off Keras' tracking (not saved with the model).
+  task = any(c.__module__.startswith("keras_hub") and c.__name__ == "Task"
+             for c in type(model).__mro__)
+  object.__setattr__(private, "_dp_preprocessor",
+                     getattr(model, "preprocessor", None) if task else None)
+  return private
