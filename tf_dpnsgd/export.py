@@ -110,7 +110,9 @@ def export_image_classifier(model, export_dir, mean, std, scale=255.0):
 def export_text_classifier(model, preprocessor, export_dir):
   """Exports ``preprocessor`` + ``model`` as one SavedModel on raw sentences.
 
-  Signature ``serving_default`` takes ``sentences`` tf.string ``[None]``.
+  Signature ``serving_default`` takes ``sentences`` tf.string ``[None]``. The tokenizer
+  runs TensorFlow Text ops: a fresh process must ``import tensorflow_text`` before
+  ``tf.saved_model.load(export_dir)``.
 
   Args:
     model: the classifier on token dicts (from

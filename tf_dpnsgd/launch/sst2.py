@@ -170,7 +170,8 @@ def main(argv):
           f"Pretrained weights of preset {FLAGS.preset!r}: the encoder starts from them (those "
           "frozen are listed above); the epsilon assumes they are public (pretrained on public "
           "data) and does not cover them.",) if cache else ()),
-      extra_report={"dataset": "glue/sst2", "preset": FLAGS.preset,
+      extra_report={"dataset": (f"SST-2-format TSV files in {FLAGS.data_dir}" if FLAGS.data_dir
+                                else "glue/sst2 (tensorflow-datasets)"), "preset": FLAGS.preset,
                     "freeze_embeddings": FLAGS.freeze_embeddings, "lora_rank": FLAGS.lora_rank,
                     "lora_layers": FLAGS.lora_layers,
                     "sequence_length": FLAGS.sequence_length, "pooling": FLAGS.pooling,
