@@ -232,8 +232,9 @@ def test_step_reporter_prints_slow_steps_and_at_least_every_interval_with_epsilo
   assert lines[0].startswith("step 5/20  loss 0.2500  epsilon ")
   assert f"epsilon {plan.epsilon(5):.3f}" in lines[0]
   assert "first step 60.00 s" in lines[0] and "ETA 0" not in lines[0]
+  assert "peak RSS " in lines[0] and "peak RSS " in lines[1] and "peak RSS" not in lines[2]
   # After step 6: 0.5 s/step (the first step's 60 s left out), 14 steps left -> 7 s.
-  assert lines[1].endswith("0.50 s/step  ETA 0:00:07"), lines[1]
+  assert "0.50 s/step  ETA 0:00:07  peak RSS " in lines[1], lines[1]
   # After step 7 (5.5 s for the 2 steps after the first): 2.75 s/step, 13 left -> 36 s.
   assert lines[2].endswith("2.75 s/step  ETA 0:00:36"), lines[2]
   for _ in range(70):  # fast steps: one line per 30 s

@@ -324,7 +324,8 @@ class StepReporter(keras.callbacks.Callback):
   gives its time alone (tracing, compilation and the first-batch checks) and no ETA;
   from the second step on, the ETA is the mean time of the steps after the first
   times the steps left (the first step's tracing would inflate it many times over
-  on a short run); epsilon is the plan's
+  on a short run); the first two lines also give the process' peak RSS, the memory
+  the steps reached before the run commits to its length; epsilon is the plan's
   for the ledger's steps (public: a function of the step count), the loss the
   unprivatized training loss every progress bar shows.
 
@@ -372,7 +373,15 @@ class StepReporter(keras.callbacks.Callback):
       per_step = (now - self._first_end) / (done - 1)
       parts += [f"{per_step:.2f} s/step",
                 f"ETA {eta_text(per_step * max(self.total_steps - self._step, 0))}"]
+    if done <= 2:  # the cost before the run commits: the memory the first steps reached
+      parts.append(f"peak RSS {peak_rss_gib():.1f} GiB")
     self._print("  ".join(parts))
+
+
+def peak_rss_gib() -> float:
+  """This process' peak resident memory so far, in GiB (Linux ``ru_maxrss``: KiB)."""
+  import resource  # pylint: disable=g-import-not-at-top
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def with_progress_bar(callbacks, total_steps: Optional[int] = None) -> list:
