@@ -299,7 +299,7 @@ def test_a_new_sampler_seed_cannot_continue_the_partition(tmp_path):
   assert last & set(fresh_plan.sampler.part(FIRST % BANDS).tolist())
   loaded = keras.models.load_model(str(tmp_path / "m.keras"))
   before = loaded.get_weights()
-  with pytest.raises(ledger_lib.LedgerMismatchError, match="new secret partition"):
+  with pytest.raises(ledger_lib.LedgerMismatchError, match="new partition"):
     _fit(loaded, 1, fresh_plan)
   with pytest.raises(ledger_lib.LedgerMismatchError, match="seed=<the first run's plan.seed>"):
     loaded.fit(x, y, verbose=0)  # the one-call fit of a loaded model: its plan's new seed
