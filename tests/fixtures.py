@@ -343,3 +343,22 @@ def tiny_image_mlp():
   inputs = keras.Input((4, 4, 1))
   h = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(inputs))
   return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+
+class Interrupt(Exception):
+  """Ctrl-C in the middle of a fit (raised by :class:`InterruptAt`)."""
+
+
+class InterruptAt(keras.callbacks.Callback):
+  """Raises :class:`Interrupt` once the model's privacy ledger reaches ``step`` (an
+  interrupted ``fit``; it reads no training metric)."""
+
+  dp_observes_only = True
+
+  def __init__(self, step):
+    super().__init__()
+    self.step = step
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.model.privacy_ledger.steps == self.step:
+      raise Interrupt()

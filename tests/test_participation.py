@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
@@ -91,7 +92,7 @@ def test_the_check_refuses_rows_of_another_part_and_repeats_within_an_epoch():
   with pytest.raises(participation.ParticipationError, match="already ran in epoch 0"):
     check.check("shuffle", 4, 5, 9, ids[3:6])
   check.check("shuffle", 5, 5, 9, ids[3:6])  # epoch 1: allowed again
-  with pytest.raises(participation.ParticipationError, match="same example"):
+  with pytest.raises(participation.ParticipationError, match="repeating an example"):
     check.check("poisson", 0, 0, 9, np.r_[ids[:3], ids[:1]])
 
 
@@ -182,20 +183,7 @@ def _assert_pattern_and_epsilon(model, recorder, sampling, bands=BANDS):
     assert report.epsilon == pytest.approx(_poisson_epsilon(B / N, steps, sigma), rel=1e-6)
 
 
-class Interrupt(Exception):
-  """Ctrl-C in the middle of a fit."""
-
-
-class InterruptAt(keras.callbacks.Callback):
-  dp_observes_only = True  # Ctrl-C reads no training metric
-
-  def __init__(self, step):
-    super().__init__()
-    self.step = step
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.privacy_ledger.steps == self.step:
-      raise Interrupt()
+Interrupt, InterruptAt = fixtures.Interrupt, fixtures.InterruptAt
 
 
 def _private(sampling, noise=None, epochs=EPOCHS):

@@ -23,20 +23,7 @@ import fixtures
 N, B, SEQ = 32, 8, 6
 
 
-class Interrupt(Exception):
-  pass
-
-
-class StopAt(keras.callbacks.Callback):
-  dp_observes_only = True
-
-  def __init__(self, step):
-    super().__init__()
-    self.step = step
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.privacy_ledger.steps == self.step:
-      raise Interrupt()
+Interrupt, StopAt = fixtures.Interrupt, fixtures.InterruptAt
 
 
 def _text_data():

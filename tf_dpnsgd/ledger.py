@@ -338,7 +338,8 @@ class PrivacyLedger(keras.layers.Layer):
   def __init__(self, **kwargs):
     kwargs.setdefault("name", _LEDGER_NAME)
     super().__init__(**kwargs)
-    dtypes = {"kind": "int32", "expected_kind": "int32", "privacy_unit": "int32", "min_noise_multiplier": "float32",
+    dtypes = {"kind": "int32", "expected_kind": "int32", "privacy_unit": "int32",
+              "min_noise_multiplier": "float32",
               RELEASE_FIELD: "float64", WARM_START_FIELD: "int32"}
     dtypes.update({name: "float32" for name in ADAPTIVE_FIELDS[1:]})
     self._vars = {}
@@ -834,6 +835,7 @@ def parse_batch_weights(sample_weight):
 
 __all__ = ["BATCH_KEYS", "BatchSummary", "DP_DENOMINATOR_KEY", "DP_KIND_KEY", "DP_MASK_KEY",
            "DP_DIGEST_KEY", "DP_EXAMPLE_KEY", "DP_IDENTITY_KEY", "DP_PERIOD_KEY",
-           "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "DP_USER_KEY", "KIND_CODES", "LedgerMismatchError",
+           "DP_SAMPLER_KEY", "DP_SEED_KEY", "DP_STEP_KEY", "DP_USER_KEY", "KIND_CODES",
+           "LedgerMismatchError",
            "PrivacyLedger", "UNTAGGED", "ledger_of", "parse_batch_weights",
            "sampler_fingerprint", "seed_hash", "trainable_signature"]

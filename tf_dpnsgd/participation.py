@@ -253,10 +253,11 @@ class ParticipationCheck:
     """
     ids = np.asarray(identities, np.int64).reshape(-1)
     where = f"batch {offset} of this call" if offset else "this batch"
-    if np.unique(ids).size != ids.size:
+    repeats = ids.size - np.unique(ids).size
+    if repeats:
       raise ParticipationError(
-          f"tf_dpnsgd: {where} holds the same example (by identity) in {ids.size - np.unique(ids).size + 1} "
-          "rows: each copy adds to the sum, multiplying its sensitivity. Feed the sampler's "
+          f"tf_dpnsgd: {where} holds {repeats} row(s) repeating an example (by identity): "
+          "each copy adds to the sum, multiplying its sensitivity. Feed the sampler's "
           "batches unchanged (plan.dataset / make_private's fit).")
     if kind == "cyclic_poisson":
       if period < 1:

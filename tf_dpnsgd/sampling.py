@@ -108,6 +108,27 @@ def poisson_max_batch_size(dataset_size: int, sampling_rate: float,
   return max(m, 1)
 
 
+def validated_seed(seed) -> int:
+  """``seed`` as an int, or one drawn from the OS for ``None``; raises unless a non-negative
+  integer (the samplers' secret seed)."""
+  if seed is None:
+    return noise_lib.random_seed()
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"`seed` must be a non-negative integer or None; got {seed!r}.")
+  return int(seed)
+
+
+def validated_max_batch_size(value, population: int, sampling_rate: float,
+                             overflow_probability: float, name: str = "max_batch_size") -> int:
+  """A Poisson sampler's static padded size: ``value``, an int in ``[1, population]``, or
+  for ``None`` :func:`poisson_max_batch_size` of the population and rate."""
+  if value is None:
+    return poisson_max_batch_size(population, sampling_rate, overflow_probability)
+  if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= population:
+    raise ValueError(f"`{name}` must be an integer in [1, {population}]; got {value!r}.")
+  return value
+
+
 def _num_rows(a) -> int:
   """Rows of an array, tensor or ``tf.RaggedTensor`` (``np.shape`` cannot see a ragged one)."""
   if isinstance(a, tf.RaggedTensor):
@@ -160,12 +181,7 @@ class Sampler:
     if self.sampling not in accounting.SAMPLINGS:
       raise TypeError("Use PoissonSampler, UniformSampler or ShuffleSampler (or make_sampler).")
     accounting.validate_dataset_and_batch(self.dataset_size, self.batch_size)
-    if self.seed is None:
-      object.__setattr__(self, "seed", noise_lib.random_seed())
-    elif isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
-        or self.seed < 0:
-      raise ValueError(f"`seed` must be a non-negative integer or None; got {self.seed!r}.")
-    object.__setattr__(self, "seed", int(self.seed))
+    object.__setattr__(self, "seed", validated_seed(self.seed))
     if self.spec is not None:
       if not isinstance(self.spec, accounting.AccountingSpec):
         raise TypeError(f"`spec` must be an AccountingSpec or None; got {self.spec!r}.")
@@ -529,13 +545,8 @@ class PoissonSampler(Sampler):
 
   def __post_init__(self):
     super().__post_init__()
-    if self.max_batch_size is None:
-      object.__setattr__(self, "max_batch_size", poisson_max_batch_size(
-          self.dataset_size, self.sampling_rate, self.overflow_probability))
-    elif isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) \
-        or not 1 <= self.max_batch_size <= self.dataset_size:
-      raise ValueError(f"`max_batch_size` must be an integer in [1, N={self.dataset_size}]; "
-                       f"got {self.max_batch_size!r}.")
+    object.__setattr__(self, "max_batch_size", validated_max_batch_size(
+        self.max_batch_size, self.dataset_size, self.sampling_rate, self.overflow_probability))
 
   @property
   def denominator(self) -> float:
@@ -642,4 +653,5 @@ def make_sampler(sampling: str, dataset_size: int, batch_size: int, seed: Option
 
 
 __all__ = ["PoissonOverflowError", "PoissonSampler", "SAMPLERS", "Sampler", "ShuffleSampler",
-           "UniformSampler", "make_sampler", "poisson_max_batch_size"]
+           "UniformSampler", "make_sampler", "poisson_max_batch_size", "validated_max_batch_size",
+           "validated_seed"]

@@ -58,10 +58,10 @@ import tensorflow as tf
 
 from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
-from tf_dpnsgd import noise as noise_lib
 from tf_dpnsgd import participation
 from tf_dpnsgd import rows as rows_lib
-from tf_dpnsgd.sampling import PoissonOverflowError, poisson_max_batch_size
+from tf_dpnsgd import sampling as sampling_lib
+from tf_dpnsgd.sampling import PoissonOverflowError
 
 PRIVACY_UNITS = ("example", "user")
 SAMPLING = "user_poisson"
@@ -290,19 +290,10 @@ class UserPoissonSampler:
   def __post_init__(self):
     accounting.validate_dataset_and_batch(self.num_users, self.batch_size)
     validate_max_examples_per_user(self.max_examples_per_user)
-    if self.seed is None:
-      object.__setattr__(self, "seed", noise_lib.random_seed())
-    elif isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
-        or self.seed < 0:
-      raise ValueError(f"`seed` must be a non-negative integer or None; got {self.seed!r}.")
-    object.__setattr__(self, "seed", int(self.seed))
-    if self.max_users is None:
-      object.__setattr__(self, "max_users", poisson_max_batch_size(
-          self.num_users, self.sampling_rate, self.overflow_probability))
-    elif isinstance(self.max_users, bool) or not isinstance(self.max_users, int) \
-        or not 1 <= self.max_users <= self.num_users:
-      raise ValueError(f"`max_users` (max_batch_size) must be an integer in [1, U="
-                       f"{self.num_users}]; got {self.max_users!r}.")
+    object.__setattr__(self, "seed", sampling_lib.validated_seed(self.seed))
+    object.__setattr__(self, "max_users", sampling_lib.validated_max_batch_size(
+        self.max_users, self.num_users, self.sampling_rate, self.overflow_probability,
+        name="max_users"))
     if self.spec is not None:
       theirs = (self.spec.sampling, self.spec.dataset_size, self.spec.batch_size)
       if theirs != (SAMPLING, self.num_users, self.batch_size):

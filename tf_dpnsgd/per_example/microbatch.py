@@ -49,6 +49,26 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     units = tf.identity(num_microbatches or batch)
   size = batch // units
 
+  def unit_gradients(u):
+    x_u, y_u = _slice(x, u * size, size), _slice(y, u * size, size)
+    with tf.GradientTape() as tape:
+      with stateless.NoStateWrites(model):  # only the seed generators may advance
+        y_pred = model(x_u, training=True)
+        losses = loss_fn(y_u, y_pred)
+      loss = tf.reduce_mean(tf.cast(losses, tf.float32))
+    m = None if mask is None else mask[u:u + 1]
+    return variable_gradients(tape, loss, variables), losses, y_pred, m
+
+  return sum_over_units(model, x, units, unit_gradients, transform, variables)
+
+
+def sum_over_units(model, x, units, unit_gradients, transform, variables) -> EngineOutput:
+  """The loop of the unit-at-a-time engines: for ``u`` in ``[0, units)``, one at a time
+  (``parallel_iterations=1``), ``unit_gradients(u) -> (gradients, losses, y_pred, mask_u)``
+  (the unit's gradient per variable, its rows' losses and outputs, its ``[1]`` mask or
+  None), transformed (:func:`tf_dpnsgd.transforms.transform_and_sum`: a masked or
+  non-finite unit adds exactly 0) and summed; accumulators made at run time
+  (:func:`~tf_dpnsgd.per_example.factored.runtime_zeros`: nothing held between steps)."""
   y_spec = output_spec(model, x)
   pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
 
@@ -56,15 +76,9 @@ def microbatch_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     return tf.TensorArray(dtype, size=units, infer_shape=False)
 
   def body(u, acc, ta_losses, ta_norms, ta_factors, ta_preds):
-    x_u, y_u = _slice(x, u * size, size), _slice(y, u * size, size)
-    with tf.GradientTape() as tape:
-      with stateless.NoStateWrites(model):  # only the seed generators may advance
-        y_pred = model(x_u, training=True)
-        losses = loss_fn(y_u, y_pred)
-      loss = tf.reduce_mean(tf.cast(losses, tf.float32))
-    grads = [g[None] for g in variable_gradients(tape, loss, variables)]  # [1, ...]
-    m = None if mask is None else mask[u:u + 1]
-    contribution, norms, factors = transforms.transform_and_sum(grads, transform, m)
+    grads, losses, y_pred, m = unit_gradients(u)
+    contribution, norms, factors = transforms.transform_and_sum([g[None] for g in grads],
+                                                                transform, m)  # [1, ...]
     acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, contribution)]
     preds = [ta.write(u, p) for ta, p in zip(ta_preds, tf.nest.flatten(y_pred))]
     return (u + 1, acc, ta_losses.write(u, tf.cast(tf.reshape(losses, [-1]), tf.float32)),

@@ -27,12 +27,13 @@ loop of one ``tf.GradientTape`` per user (``tests/test_user_level.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
-from tf_dpnsgd import transforms
-from tf_dpnsgd.per_example import factored
+from tf_dpnsgd.per_example import microbatch
 from tf_dpnsgd.per_example import stateless
-from tf_dpnsgd.per_example.base import EngineOutput, output_spec, variable_gradients
+from tf_dpnsgd.per_example.base import EngineOutput, variable_gradients
 from tf_dpnsgd.per_example.vectorized import batch_size_of, check_no_sparse_inputs
 
 
@@ -91,13 +92,7 @@ def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=N
   row_mask = tf.ones([units * k], tf.bool) if mask is None else tf.cast(mask, tf.bool)
   slots = unit_mask(row_mask, units * k, k)
 
-  y_spec = output_spec(model, x)
-  pred_dtypes = [t.dtype for t in tf.nest.flatten(y_spec)]
-
-  def new_ta(dtype):
-    return tf.TensorArray(dtype, size=units, infer_shape=False)
-
-  def body(u, acc, ta_losses, ta_norms, ta_factors, ta_preds):
+  def unit_gradients(u):
     m = row_mask[u * k:(u + 1) * k]
     # Padding rows become copies of the slot's first real row before the forward pass, so
     # nothing they held (a NaN, an infinity) reaches the gradient, not even through a
@@ -111,25 +106,10 @@ def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=N
         y_pred = model(x_u, training=True)
         losses = loss_fn(y_u, y_pred)
       loss = masked_mean(losses, m)
-    grads = [g[None] for g in variable_gradients(tape, loss, variables)]  # [1, ...]
-    contribution, norms, factors = transforms.transform_and_sum(grads, transform,
-                                                                slots[u:u + 1])
-    acc = [a + tf.cast(c, a.dtype) for a, c in zip(acc, contribution)]
-    preds = [ta.write(u, p) for ta, p in zip(ta_preds, tf.nest.flatten(y_pred))]
-    return (u + 1, acc, ta_losses.write(u, tf.cast(tf.reshape(losses, [-1]), tf.float32)),
-            ta_norms.write(u, norms), ta_factors.write(u, factors), preds)
+    return variable_gradients(tape, loss, variables), losses, y_pred, slots[u:u + 1]
 
-  init = (tf.constant(0), [factored.runtime_zeros(v.shape, v.dtype) for v in variables],
-          new_ta(tf.float32), new_ta(tf.float32), new_ta(tf.float32),
-          [new_ta(d) for d in pred_dtypes])
-  _, acc, ta_l, ta_n, ta_f, ta_p = tf.while_loop(
-      lambda u, *_: u < units, body, init, parallel_iterations=1)
-  preds = [tf.ensure_shape(ta.concat(), (None,) + tuple(spec.shape[1:]))
-           for ta, spec in zip(ta_p, tf.nest.flatten(y_spec))]
-  return EngineOutput(summed=acc, norms=tf.reshape(ta_n.concat(), [-1]),
-                      factors=tf.reshape(ta_f.concat(), [-1]),
-                      losses=tf.reshape(ta_l.concat(), [-1]),
-                      y_pred=tf.nest.pack_sequence_as(y_spec, preds), unit_mask=slots)
+  out = microbatch.sum_over_units(model, x, units, unit_gradients, transform, variables)
+  return dataclasses.replace(out, unit_mask=slots)
 
 
 __all__ = ["masked_mean", "unit_mask", "user_unit_engine"]
