@@ -297,6 +297,15 @@ def _weights_file(model, x, y, perm, tmp_path, mechanism="poisson"):
   return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
 
 
+def _tf_checkpoint(model, x, y, perm, tmp_path, mechanism="poisson"):
+  _interrupted(model, x, y)
+  path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+  fresh = _private(*MECHANISMS[mechanism])
+  fresh.build((None, 5))
+  tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
+  return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
+
+
 def _backup_and_restore(model, x, y, perm, tmp_path):
   backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
   _interrupted(model, x, y, callbacks=[backup])
@@ -304,12 +313,15 @@ def _backup_and_restore(model, x, y, perm, tmp_path):
 
 
 CONTINUATIONS = {"second_fit": _second_fit, "keras_file": _keras_file,
-                 "weights_file": _weights_file, "backup_and_restore": _backup_and_restore}
+                 "weights_file": _weights_file, "tf_checkpoint": _tf_checkpoint,
+                 "backup_and_restore": _backup_and_restore}
 # Continuations refused before any step, and why (every other pair must run):
 REFUSED = {
     # a reloaded make_private model draws a new sampler seed: a new partition / permutation
     ("bandmf", "keras_file"): "another seed", ("blt", "keras_file"): "another seed",
     ("shuffle", "keras_file"): "another seed", ("shuffle", "weights_file"): "another seed",
+    ("bandmf", "tf_checkpoint"): "another seed", ("blt", "tf_checkpoint"): "another seed",
+    ("shuffle", "tf_checkpoint"): "another seed",
     # the correlated-noise buffers cannot continue a new optimizer or a rollback
     ("bandmf", "weights_file"): "buffers", ("blt", "weights_file"): "buffers",
     ("bandmf", "backup_and_restore"): "buffers", ("blt", "backup_and_restore"): "buffers",
@@ -331,7 +343,7 @@ def test_participation_matrix(tmp_path, mechanism, continuation):
   x, y = _data()
   perm = np.random.default_rng(2).permutation(N)
   make = CONTINUATIONS[continuation]
-  extra = {"mechanism": mechanism} if continuation == "weights_file" else {}
+  extra = {"mechanism": mechanism} if continuation in ("weights_file", "tf_checkpoint") else {}
   model, resume = make(model, x, y, perm, tmp_path, **extra)
   if model is not recorder.model:  # a reloaded model: record it too, from the step it is at
     before = recorder
@@ -346,7 +358,7 @@ def test_participation_matrix(tmp_path, mechanism, continuation):
     return
   resume()
   assert model.privacy_ledger.steps > steps
-  if continuation in ("keras_file", "weights_file"):
+  if continuation in ("keras_file", "weights_file", "tf_checkpoint"):
     # Steps that ran before the save are recorded on the first model object.
     assert set(range(steps)) <= set(recorder.steps)
   _assert_pattern_and_epsilon(model, recorder, sampling)
