@@ -154,12 +154,13 @@ MODELS = {
 _RNN = ("microbatch", "microbatch")  # tf.while_loop: pfor cannot convert its gradient
 _NO_RULE = ("vectorized", "vectorized")
 _ATTENTION_NO_RULE = ("vectorized", "microbatch")
+_LAYERWISE = ("layerwise", "layerwise")  # every trainable variable has a rule
 AUTO_ENGINE = {
     "lstm": _RNN, "gru": _RNN, "bidirectional_gru": _RNN, "simple_rnn": _RNN,
     "conv3d": _NO_RULE, "depthwise_separable_groupnorm": _NO_RULE, "conv2d_transpose": _NO_RULE,
-    "dense_rmsnorm_prelu": _NO_RULE,
-    "bert": ("layerwise", "layerwise"), "gpt2": ("layerwise", "layerwise"),
-    "llama": _ATTENTION_NO_RULE, "mistral": _ATTENTION_NO_RULE, "gemma": _ATTENTION_NO_RULE,
+    "dense_rmsnorm_prelu": _LAYERWISE,
+    "bert": _LAYERWISE, "gpt2": _LAYERWISE,
+    "llama": _LAYERWISE, "mistral": _LAYERWISE, "gemma": _LAYERWISE,
     "vit": _ATTENTION_NO_RULE,
 }
 

@@ -14,6 +14,11 @@ keras-hub's)                                                      tied weights (
 ``keras_hub.layers.PositionEmbedding``         :mod:`.embedding`  the rows of the used positions
 ``keras.layers.LayerNormalization``            :mod:`.normalization`  gamma, beta (materialised)
 ``keras.layers.GroupNormalization``            :mod:`.normalization`  gamma, beta (materialised)
+``keras.layers.RMSNormalization`` (also        :mod:`.normalization`  scale (materialised); Gemma's
+keras-hub's ``LlamaLayerNorm``,                                   output is ``xhat * (1 + scale)``
+``MistralLayerNormalization``, Gemma's
+``RMSNormalization``)
+``keras.layers.PReLU``                         :mod:`.activation`  alpha (materialised)
 =============================================  =================  ==================================
 
 Composite layers without variables of their own (``MultiHeadAttention``,
@@ -21,6 +26,6 @@ keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``, functional
 sub-models and backbones) need no rule: the engine visits their sublayers.
 """
 
-from tf_dpnsgd.per_example.layers import conv, dense, embedding, lora, normalization
+from tf_dpnsgd.per_example.layers import activation, conv, dense, embedding, lora, normalization
 
-__all__ = ["conv", "dense", "embedding", "lora", "normalization"]
+__all__ = ["activation", "conv", "dense", "embedding", "lora", "normalization"]

@@ -1,4 +1,4 @@
-"""Layer-wise rules for ``LayerNormalization`` and ``GroupNormalization``.
+"""Layer-wise rules for ``LayerNormalization``, ``GroupNormalization`` and RMS norms.
 
 Keras computes both as ``y = x * inv + res`` with ``inv = gamma / sqrt(var + eps)``
 and ``res = beta - mean * inv`` (statistics per example). The rule repeats
@@ -16,6 +16,14 @@ input gradient):
 Both are small (``[B, *param_shape]``) and are materialised
 (:class:`~..factored.Materialized`). ``LayerNormalization(rms_scaling=True)``
 (deprecated in Keras) probes its output instead.
+
+RMS normalizations (``keras.layers.RMSNormalization``; keras-hub's
+``LlamaLayerNorm``, ``MistralLayerNormalization`` and Gemma's
+``RMSNormalization``, whose output is ``xhat * (1 + scale)``) compute
+``y = xhat * s`` with ``xhat = x / sqrt(mean(x^2) + eps)`` per example and
+``s`` the scale (or ``1 + scale``). The rule repeats the layer's own ops,
+probes ``y`` and materialises example ``i``'s scale gradient
+``sum dy * xhat`` over the positions the scale is broadcast along.
 """
 
 from __future__ import annotations
@@ -174,5 +182,102 @@ def _group_norm_capture(layer, call, args, kwargs, probe):
 
 GROUP_NORM_RULE = registry_lib.LayerRule(variables=_affine_variables, capture=_group_norm_capture)
 
+
+# --- RMS normalizations ------------------------------------------------------
+
+def reduce_to_parameter(t, param_shape):
+  """``[B, ...]`` products summed to ``[B, *param_shape]`` as numpy broadcasting maps them.
+
+  ``t`` is ``dy * (the tensor the parameter multiplies)``; the parameter is
+  broadcast right-aligned against the non-batch axes (Keras' elementwise
+  multiply), so its gradient sums ``t`` over the leading axes it lacks and the
+  axes where it has size 1.
+
+  Raises:
+    UnsupportedLayerError: if the parameter would broadcast along the batch axis.
+  """
+  rank, param_rank = len(t.shape), len(param_shape)
+  if param_rank > rank - 1:
+    raise registry_lib.UnsupportedLayerError(
+        f"A parameter of shape {tuple(param_shape)} would broadcast along the batch axis of "
+        f"a rank-{rank} tensor.")
+  lead = rank - param_rank
+  axes = list(range(1, lead)) + [lead + k for k, d in enumerate(param_shape)
+                                 if d == 1 and t.shape[lead + k] != 1]
+  t = tf.reduce_sum(t, axis=axes, keepdims=True) if axes else t
+  return tf.reshape(t, [-1] + [int(d) for d in param_shape])
+
+
+def _scale_variables(layer):
+  return [getattr(layer, "scale", None)]
+
+
+def _scale_finish(layer, xhat):
+  def finish(grads):
+    d_scale = reduce_to_parameter(tf.cast(grads[0], tf.float32) * tf.cast(xhat, tf.float32),
+                                  layer.scale.shape)
+    return [(layer.scale, factored.Materialized(d_scale))]
+
+  return finish
+
+
+def _keras_rms_norm_capture(layer, call, args, kwargs, probe):
+  """Repeats ``keras.ops.rms_normalization`` (TF backend) with the scaled output probed."""
+  inputs = registry_lib.bind_call_arguments(call, args, kwargs)["x"]
+  original_dtype = keras.backend.standardize_dtype(inputs.dtype)
+  compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+  x = ops.convert_to_tensor(inputs, dtype=compute_dtype)
+  if len(x.shape) < 2:
+    raise registry_lib.UnsupportedLayerError(
+        f"RMSNormalization '{layer.name}' called without a batch axis.")
+  axis = sorted(layer.axis) if isinstance(layer.axis, (list, tuple)) else layer.axis
+  if 0 in [a % len(x.shape) for a in (axis if isinstance(axis, list) else [axis])]:
+    raise registry_lib.UnsupportedLayerError(
+        f"RMSNormalization '{layer.name}' normalizes over the batch axis.")
+  scale = ops.convert_to_tensor(layer.scale, x.dtype)
+  rrms = ops.rsqrt(ops.mean(ops.square(x), axis=axis, keepdims=True) + layer.epsilon)
+  xhat = ops.multiply(x, rrms)
+  outputs = probe(ops.multiply(xhat, scale))
+  return ops.cast(outputs, original_dtype), _scale_finish(layer, xhat)
+
+
+def _llama_rms_norm_capture(layer, call, args, kwargs, probe):
+  """Repeats keras-hub's ``LlamaLayerNorm.call`` (also ``MistralLayerNormalization``)."""
+  x = ops.cast(registry_lib.bind_call_arguments(call, args, kwargs)["x"], "float32")
+  var = ops.mean(ops.power(x, 2), axis=-1, keepdims=True)
+  xhat = x * ops.rsqrt(var + layer.epsilon)
+  outputs = probe(xhat * layer.scale)
+  return ops.cast(outputs, layer.compute_dtype), _scale_finish(layer, xhat)
+
+
+def _gemma_rms_norm_capture(layer, call, args, kwargs, probe):
+  """Repeats keras-hub's Gemma ``RMSNormalization.call``: ``xhat * (1 + scale)``."""
+  x = ops.cast(registry_lib.bind_call_arguments(call, args, kwargs)["x"], "float32")
+  scale = ops.cast(layer.scale, "float32")
+  var = ops.mean(ops.square(x), axis=-1, keepdims=True)
+  xhat = x * ops.reciprocal(ops.sqrt(var + layer.epsilon))
+  outputs = probe(xhat * (1 + scale))  # d(1 + scale) / d scale = 1
+  return ops.cast(outputs, layer.compute_dtype), _scale_finish(layer, xhat)
+
+
+KERAS_RMS_NORM_RULE = registry_lib.LayerRule(
+    variables=_scale_variables, capture=_keras_rms_norm_capture,
+    unsupported=registry_lib.common_unsupported)
+LLAMA_RMS_NORM_RULE = registry_lib.LayerRule(
+    variables=_scale_variables, capture=_llama_rms_norm_capture,
+    unsupported=registry_lib.common_unsupported)
+GEMMA_RMS_NORM_RULE = registry_lib.LayerRule(
+    variables=_scale_variables, capture=_gemma_rms_norm_capture,
+    unsupported=registry_lib.common_unsupported)
+
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.LayerNormalization, LAYER_NORM_RULE)
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.GroupNormalization, GROUP_NORM_RULE)
+registry_lib.DEFAULT_REGISTRY.register(keras.layers.RMSNormalization, KERAS_RMS_NORM_RULE)
+# keras-hub types by qualified name (no import of keras-hub needed); matched exactly.
+registry_lib.DEFAULT_REGISTRY.register(
+    "keras_hub.src.models.llama.llama_layernorm.LlamaLayerNorm", LLAMA_RMS_NORM_RULE)
+registry_lib.DEFAULT_REGISTRY.register(
+    "keras_hub.src.models.mistral.mistral_layer_norm.MistralLayerNormalization",
+    LLAMA_RMS_NORM_RULE)
+registry_lib.DEFAULT_REGISTRY.register(
+    "keras_hub.src.models.gemma.rms_normalization.RMSNormalization", GEMMA_RMS_NORM_RULE)
