@@ -36,8 +36,9 @@ taken, and steps/s from the wall-clock times of the launcher's per-step
 epsilon events (first step, i.e. compilation, excluded). Without the data the
 row says ``unavailable`` instead of failing. ``--smoke`` writes random images
 in the ``cifar-10-batches-py`` layout and runs the same launcher for a few
-steps; its XLA rows compile without LLVM's optimizations (``SMOKE_XLA_FLAGS``),
-since on a CPU the compile is most of a smoke run's time.
+steps with ``--resnet_depth=8`` (ResNet8-GN, the family's smallest); its XLA
+rows compile without LLVM's optimizations (``SMOKE_XLA_FLAGS``), since on a
+CPU the compile is most of a smoke run's time.
 
 A cell that fails shows ``refused: <reason>`` when tf_dpnsgd refused the
 configuration on purpose (a ``ValueError``, ``TypeError`` or
@@ -259,8 +260,9 @@ def run_cifar(smoke, data_dir, max_steps, timeout):
     if smoke:
       data_dir = os.path.join(tmp, "data", "cifar-10-batches-py")
       write_random_cifar(data_dir, images_per_batch=32)
-      row["model"] = "CIFAR-10 smoke (launcher, random images)"
-      args += ["--batch_size=16", "--physical_batch_size=16", "--groups=4", "--epochs=2"]
+      row["model"] = "CIFAR-10 smoke (launcher, ResNet8-GN, random images)"
+      args += ["--batch_size=16", "--physical_batch_size=16", "--groups=4", "--epochs=2",
+               "--resnet_depth=8"]
     if data_dir:
       args.append(f"--data_dir={data_dir}")
     args.append(f"--max_steps={max_steps}")

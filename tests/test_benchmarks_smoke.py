@@ -5,7 +5,8 @@ and mixed precision, the CIFAR-10 launcher on random images) at tiny sizes on
 a CPU, so a change that breaks one of them fails here rather than on the GPU
 machine. It checks that the script runs, not how fast: no timings are asserted.
 The smoke sizes are the smallest that keep every layer kind (ResNet8-GN on 8x8
-images, a one-block BERT of width 8, batch 2), its step rows share one process
+images, a one-block BERT of width 8, batch 2; the launcher row's ResNet8-GN via
+--resnet_depth=8), its step rows share one process
 and its XLA compiles skip LLVM's optimizations (benchmarks/gpu.py), so that
 the run costs about a minute of CPU, not three. The table's cell formats
 (refused, error, unavailable) are checked without running anything, in the
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu  # noqa: E402  (standard library only at import: no TensorFlow here)
 
-# Mostly XLA compilation of the DP steps and the CIFAR-10 launcher's ResNet20-GN: 186 s
+# Mostly XLA compilation of the DP steps and the CIFAR-10 launcher's ResNet8-GN: 186 s
 # while other work shared the 2 cores of the fast machine kind (542 s at the earlier sizes).
 TIMEOUT_S = 900
 

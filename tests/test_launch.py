@@ -60,10 +60,11 @@ def test_cifar10_local_pickles_export_and_resume(tmp_path):
   del data
   run = tmp_path / "run"
   common = [f"--data_dir={tmp_path}/data", "--batch_size=20", "--physical_batch_size=10",
-            "--epochs=2", "--seed=0", f"--model_dir={run}", "--groups=4"]
+            "--epochs=2", "--seed=0", f"--model_dir={run}", "--groups=4",
+            "--resnet_depth=8"]  # ResNet8-GN: the same launcher path, a third of the layers
   launch("tf_dpnsgd.launch.cifar10", *common, "--max_steps=2", f"--export_dir={tmp_path}/export")
   first = report(run)
-  assert first["steps"] == 2
+  assert first["steps"] == 2 and first["resnet_depth"] == 8
   # A rerun continues from the checkpoint: the report covers all 4 steps.
   launch("tf_dpnsgd.launch.cifar10", *common, "--max_steps=4")
   second = report(run)
@@ -125,7 +126,7 @@ def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
 def test_cifar10_through_tfds_mock_data(tmp_path):
   launch("tf_dpnsgd.launch.cifar10", "--batch_size=8", "--physical_batch_size=8",
          "--max_steps=1", "--epochs=1", "--seed=0", f"--model_dir={tmp_path}", "--groups=4",
-         prelude="import tensorflow_datasets as tfds")
+         "--resnet_depth=8", prelude="import tensorflow_datasets as tfds")
   assert report(tmp_path)["dataset_size"] == 24
 
 
@@ -165,7 +166,8 @@ def test_paper_config_flagfile_runs(tmp_path, config):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   launch("tf_dpnsgd.launch.cifar10", f"--flagfile={os.path.join(root, config)}",
          f"--data_dir={tmp_path}/data", "--batch_size=20", "--physical_batch_size=10",
-         "--max_steps=1", "--epochs=2", "--groups=4", f"--model_dir={tmp_path}/run")
+         "--max_steps=1", "--epochs=2", "--groups=4", "--resnet_depth=8",
+         f"--model_dir={tmp_path}/run")
   rep = report(tmp_path / "run")
   assert rep["hyperparameters"]["optimizer"] == "dpsgd"
   assert rep["hyperparameters"]["lr_schedule"] == "cyclic"

@@ -14,7 +14,7 @@ tensorflow-datasets `cifar10` when online.
 
 Models (--model):
   * resnet20: ResNet20 with GroupNorm on the pixels, normalized per channel inside the
-    model.
+    model (--resnet_depth=8 gives ResNet8-GN, the same layer kinds, for the tests).
   * scatter_linear, scatter_cnn: a fixed scattering transform (J=2, L=8: 243 maps of 8x8,
     no weights), the features normalized per example (GroupNorm, no weights, no privacy
     cost) or per channel by training-set statistics released with the Gaussian mechanism
@@ -67,6 +67,8 @@ flags.DEFINE_enum("model", "resnet20", MODELS, "resnet20 (GroupNorm) on pixels, 
 flags.DEFINE_boolean("augment", False, "Random crop (4-pixel padding) + horizontal flip "
                      "(resnet20 only).")
 flags.DEFINE_integer("groups", 16, "GroupNorm groups of resnet20.")
+flags.DEFINE_integer("resnet_depth", 20, "Depth 6n+2 of --model=resnet20 (20 is the paper's; "
+                     "the tests use 8, the family's smallest, to run the same path cheaply).")
 flags.DEFINE_integer("feature_groups", 27, "Scattering models: GroupNorm groups over the 243 "
                      "feature channels (a divisor of 243: 9, 27, 81, ...).")
 flags.DEFINE_enum("feature_normalization", "groupnorm", ("groupnorm", "private_data"),
@@ -210,6 +212,9 @@ def main(argv):
     raise common.LaunchError(f"--augment needs --model=resnet20: --model={FLAGS.model} trains "
                              "on scattering features computed once from the unaugmented "
                              "images.")
+  if FLAGS.resnet_depth < 8 or (FLAGS.resnet_depth - 2) % 6:
+    raise common.LaunchError(f"--resnet_depth must be 6n+2 (8, 14, 20, 32, ...); got "
+                             f"{FLAGS.resnet_depth}.")
   if FLAGS.feature_norm_variance_floor and FLAGS.feature_normalization != "private_data":
     raise common.LaunchError("--feature_norm_variance_floor needs "
                              "--feature_normalization=private_data (scattering models).")
@@ -235,7 +240,8 @@ def main(argv):
 
 def _run_resnet20(cfg, FLAGS, train, test, loss):
   def build_model():
-    return cifar_lib.with_normalization(models.resnet20(groups=FLAGS.groups), name="resnet20_gn")
+    net = models.resnet20(groups=FLAGS.groups, depth=FLAGS.resnet_depth)
+    return cifar_lib.with_normalization(net, name="resnet20_gn")
 
   # Per example, inside the sampler (seeds from the sampler's: fresh each step and example).
   augment_fn = cifar_lib.crop_flip_to_float if FLAGS.augment else cifar_lib.pixels_to_float
@@ -248,7 +254,8 @@ def _run_resnet20(cfg, FLAGS, train, test, loss):
       cfg, build_model, train, (x_test.astype("float32"), y_test), loss=loss,
       export_fn=export_fn, augment_fn=augment_fn,
       extra_report={"dataset": "cifar10", "model": "resnet20_groupnorm",
-                    "augment": FLAGS.augment, "groups": FLAGS.groups})
+                    "augment": FLAGS.augment, "groups": FLAGS.groups,
+                    "resnet_depth": FLAGS.resnet_depth})
 
 
 def _view_features(extractor, x_train, x_test, names, cache_dir):
