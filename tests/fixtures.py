@@ -362,3 +362,13 @@ class InterruptAt(keras.callbacks.Callback):
   def on_train_batch_end(self, batch, logs=None):
     if self.model.privacy_ledger.steps == self.step:
       raise Interrupt()
+
+
+def result_lines(script: str, timeout: int = 300) -> tuple:
+  """Runs ``script`` in a fresh Python process; returns ``(rows, stderr)``: the words after
+  ``RESULT`` of each stdout line that starts with it (subprocess tests of the probes)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=timeout)
+  return [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")], out.stderr

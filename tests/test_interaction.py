@@ -1,7 +1,5 @@
 """Examples that interact (batch-mixing layers, in-batch losses) are refused before any update."""
 
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -9,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import interaction
 from tf_dpnsgd import losses as losses_lib
@@ -323,7 +322,5 @@ DISTRIBUTED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_probe_runs_per_replica_under_mirrored_strategy():
-  out = subprocess.run([sys.executable, "-c", DISTRIBUTED], capture_output=True, text=True,
-                       timeout=300)
-  lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
-  assert lines == [["False", "trained", "1"], ["True", "refused", "True"]], out.stderr[-3000:]
+  lines, stderr = fixtures.result_lines(DISTRIBUTED)
+  assert lines == [["False", "trained", "1"], ["True", "refused", "True"]], stderr[-3000:]

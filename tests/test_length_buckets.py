@@ -10,8 +10,6 @@ tolerance, in the batch's own order.
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -20,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import fixtures
 import tf_dpnsgd
 from tf_dpnsgd import padding_probe
 from tf_dpnsgd import transforms
@@ -406,7 +405,5 @@ MIRRORED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_padding_probe_runs_per_replica_under_mirrored_strategy():
-  out = subprocess.run([sys.executable, "-c", MIRRORED], capture_output=True, text=True,
-                       timeout=300)
-  lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
-  assert lines == [["True", "trained", "1"], ["False", "refused", "True"]], out.stderr[-3000:]
+  lines, stderr = fixtures.result_lines(MIRRORED)
+  assert lines == [["True", "trained", "1"], ["False", "refused", "True"]], stderr[-3000:]
