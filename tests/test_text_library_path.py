@@ -51,6 +51,26 @@ def _private(task, n=None):
   return model
 
 
+def test_the_preprocessor_runs_in_chunks_before_the_sampler_and_passes_model_inputs():
+  """owned_plan.preprocessed on a stand-in task (no TensorFlow model): chunks of strings map
+  row by row, inputs that already are the model's pass unchanged, no preprocessor: as is."""
+  import types
+  from tf_dpnsgd import owned_plan
+  calls = []
+
+  def preprocessor(strings):
+    calls.append(len(strings))
+    return {"token_ids": np.array([[len(s), 0] for s in strings.tolist()])}
+
+  model = types.SimpleNamespace(_dp_preprocessor=preprocessor, input={"token_ids": None})
+  x = np.array(["a", "bb", "ccc", "dddd", "eeeee"])
+  out = owned_plan.preprocessed(model, x, chunk=2)
+  assert calls == [2, 2, 1] and out["token_ids"][:, 0].tolist() == [1, 2, 3, 4, 5]
+  assert owned_plan.preprocessed(model, out) is out  # already the model's inputs
+  assert owned_plan.preprocessed(types.SimpleNamespace(), x) is x  # no preprocessor
+
+
+@pytest.mark.slow
 def test_a_keras_hub_task_trains_privately_on_raw_strings(tmp_path):
   task = _task(tmp_path)
   x, y = _sentences()
