@@ -304,6 +304,7 @@ def _check_restored_training(model, ledger, state) -> None:
         f"ledger holds {ledger.steps} steps: the run would restart its momentum / moments "
         "mid-plan. Load a file whose optimizer matches the model, or model.compile(...) "
         "with a fresh DP optimizer to restart it on purpose.")
+  state.restored_compile = False  # checked once: the steps now continue the ledger
 
 
 def _build_and_choose_engine(model, data) -> None:
