@@ -59,26 +59,35 @@ def test_machine_kind_names_cores_and_avx512():
   assert f"{calibration.cores()} cores" in kind and kind.endswith(("avx512 yes", "avx512 no"))
 
 
-def _inner_session(tmp_path, *args, budget=None):
+def _inner_session(tmp_path, *args, budget=None, module_cleanup_s=0.0):
   (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
-  (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+  (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+      import functools, time
+      import pytest
       import time_budget
 
       def pytest_configure(config):
         time_budget.register(config)
+
+      @pytest.hookimpl(wrapper=True)
+      def pytest_runtest_teardown(item, nextitem):
+        result = yield
+        time_budget.run_module_cleanup(item, nextitem,
+                                       functools.partial(time.sleep, {module_cleanup_s}))
+        return result
       """))
   (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
       import time
       import pytest
 
+      @pytest.mark.slow
+      def test_marked_slow():
+        time.sleep(0.5)
+
       def test_cheap():
         pass
 
-      def test_sleepy():
-        time.sleep(0.5)
-
-      @pytest.mark.slow
-      def test_marked_slow():
+      def test_sleepy():  # the module's last test: its teardown runs the module's clean-up
         time.sleep(0.5)
       """))
   env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -112,3 +121,12 @@ def test_a_session_within_budget_passes_and_prints_its_slowest_phase(tmp_path):
   assert out.returncode == pytest.ExitCode.OK, out.stdout + out.stderr
   assert re.search(r"quick-tier time budget: slowest phase test_inner.py::test_sleepy "
                    r"\(call\) 0\.[5-9] s", out.stdout), out.stdout
+
+
+def test_a_modules_clean_up_is_not_charged_to_its_last_test(tmp_path):
+  # The clean-up after the module's last test (test_sleepy, one process) sleeps 2 s against
+  # a 1 s budget: not charged, while the 0.5 s test itself still counts (the slowest phase).
+  out = _inner_session(tmp_path, budget="1000", module_cleanup_s=2.0)
+  assert out.returncode == pytest.ExitCode.OK, out.stdout + out.stderr
+  assert re.search(r"slowest phase test_inner.py::test_sleepy \(call\) 0\.[5-9] s",
+                   out.stdout), out.stdout

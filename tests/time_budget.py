@@ -26,6 +26,7 @@ Environment:
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterable, NamedTuple, Optional
 
 import pytest
@@ -42,6 +43,9 @@ MULTIPLE = 300.0
 ENV_BUDGET = "TF_DPNSGD_TEST_BUDGET"
 ENV_CALIBRATION = "TF_DPNSGD_TEST_CALIBRATION"
 PHASES = ("setup", "call", "teardown")
+#: A teardown report's ``user_properties`` key: seconds of that teardown spent on the whole
+#: module's clean-up (``tests/conftest.py``), not charged to the test.
+MODULE_TEARDOWN = "module_teardown_s"
 
 
 class Phase(NamedTuple):
@@ -63,6 +67,28 @@ def over_budget(phases: Iterable[Phase], calibration_s: float,
     raise ValueError(f"calibration ({calibration_s}) and multiple ({multiple}) must be > 0")
   limit = multiple * calibration_s
   return sorted((p for p in phases if p.seconds > limit), key=lambda p: -p.seconds)
+
+
+def charged_seconds(report) -> float:
+  """A phase's duration less the module clean-up it ran (:data:`MODULE_TEARDOWN`).
+
+  >>> class R: duration, user_properties = 60.0, [(MODULE_TEARDOWN, 58.0), ("other", 1)]
+  >>> charged_seconds(R())
+  2.0
+  """
+  module = sum(float(v) for k, v in getattr(report, "user_properties", ()) or ()
+               if k == MODULE_TEARDOWN)
+  return max(report.duration - module, 0.0)
+
+
+def run_module_cleanup(item, nextitem, cleanup: Callable[[], object]) -> None:
+  """Runs ``cleanup`` after a module's last test (``pytest_runtest_teardown``), timed into
+  the teardown report as :data:`MODULE_TEARDOWN` so the budget does not charge it to the
+  test that happened to run last."""
+  if nextitem is None or nextitem.module is not item.module:
+    start = time.perf_counter()
+    cleanup()
+    item.user_properties.append((MODULE_TEARDOWN, time.perf_counter() - start))
 
 
 def budget_multiple(environ=os.environ) -> Optional[float]:
@@ -107,7 +133,7 @@ class TimeBudget:
 
   def pytest_runtest_logreport(self, report):
     if report.when in PHASES and "slow" not in report.keywords:
-      self.phases.append(Phase(report.nodeid, report.when, report.duration))
+      self.phases.append(Phase(report.nodeid, report.when, charged_seconds(report)))
 
   @pytest.hookimpl(tryfirst=True)
   def pytest_sessionfinish(self, session):
