@@ -152,13 +152,12 @@ MODELS = {
 # The engine "auto" picks: (oneDNN off, oneDNN on). oneDNN is TensorFlow's CPU default on x86
 # Linux with AVX512-VNNI/AMX; with it on, "auto" avoids the vectorized engine for attention.
 _RNN = ("microbatch", "microbatch")  # tf.while_loop: pfor cannot convert its gradient
-_NO_RULE = ("vectorized", "vectorized")
 _ATTENTION_NO_RULE = ("vectorized", "microbatch")
 _LAYERWISE = ("layerwise", "layerwise")  # every trainable variable has a rule
 AUTO_ENGINE = {
     "lstm": _RNN, "gru": _RNN, "bidirectional_gru": _RNN, "simple_rnn": _RNN,
-    "conv3d": _NO_RULE, "depthwise_separable_groupnorm": _NO_RULE, "conv2d_transpose": _NO_RULE,
-    "dense_rmsnorm_prelu": _LAYERWISE,
+    "conv3d": _LAYERWISE, "depthwise_separable_groupnorm": _LAYERWISE,
+    "conv2d_transpose": _LAYERWISE, "dense_rmsnorm_prelu": _LAYERWISE,
     "bert": _LAYERWISE, "gpt2": _LAYERWISE,
     "llama": _LAYERWISE, "mistral": _LAYERWISE, "gemma": _LAYERWISE,
     "vit": _ATTENTION_NO_RULE,

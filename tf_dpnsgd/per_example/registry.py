@@ -2,8 +2,9 @@
 
 A :class:`LayerRule` tells the engine (a) which variables of a layer it
 accounts for, (b) why a particular instance cannot be handled (LoRA, a
-quantized kernel, a 3D convolution, ...) and (c) how to run one call of the
-layer so that the engine can read the per-example gradients:
+quantized kernel, a channels-first transposed convolution, ...) and (c) how to
+run one call of the layer so that the engine can read the per-example
+gradients:
 
 ``capture(layer, call, args, kwargs, probe) -> (outputs, finish)``
 

@@ -7,7 +7,15 @@ layer type                                     module             per-example no
 ``keras.layers.EinsumDense``                   :mod:`.dense`      kernel (ghost or materialised), bias
 ``Dense`` / ``EinsumDense`` with LoRA          :mod:`.dense`,     ``lora_kernel_a``, ``lora_kernel_b``
                                                :mod:`.lora`       (as kernels), bias; not the frozen W
-``keras.layers.Conv1D`` / ``Conv2D``           :mod:`.conv`       kernel from input patches (per group), bias
+``keras.layers.Conv1D`` / ``Conv2D`` /         :mod:`.conv`       kernel from input patches (per group), bias
+``Conv3D``
+``keras.layers.DepthwiseConv1D`` /             :mod:`.conv_more`  kernel (materialised: one folded
+``DepthwiseConv2D``                                               backprop-filter), bias
+``keras.layers.SeparableConv1D`` /             :mod:`.conv_more`  depthwise kernel (as above),
+``SeparableConv2D``                                               pointwise kernel (ghost or
+                                                                  materialised), bias
+``keras.layers.Conv1DTranspose`` /             :mod:`.conv_more`  kernel as a convolution of the
+``Conv2DTranspose`` / ``Conv3DTranspose``                         output gradient (patches), bias
 ``keras.layers.Embedding``                     :mod:`.embedding`  rows gathered per example
 ``keras.layers.ReversibleEmbedding`` (also     :mod:`.embedding`  lookup rows, reverse projection,
 keras-hub's)                                                      tied weights (exact cross term)
@@ -26,6 +34,7 @@ keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``, functional
 sub-models and backbones) need no rule: the engine visits their sublayers.
 """
 
-from tf_dpnsgd.per_example.layers import activation, conv, dense, embedding, lora, normalization
+from tf_dpnsgd.per_example.layers import (activation, conv, conv_more, dense, embedding, lora,
+                                          normalization)
 
-__all__ = ["activation", "conv", "dense", "embedding", "lora", "normalization"]
+__all__ = ["activation", "conv", "conv_more", "dense", "embedding", "lora", "normalization"]

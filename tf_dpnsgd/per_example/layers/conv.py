@@ -1,4 +1,4 @@
-"""Layer-wise rules for ``keras.layers.Conv1D`` and ``keras.layers.Conv2D``.
+"""Layer-wise rules for ``keras.layers.Conv1D``, ``Conv2D`` and ``Conv3D``.
 
 The rule recomputes the convolution as Keras does (causal padding included),
 probes the pre-activation output ``z`` and applies the activation. Per example
@@ -17,8 +17,8 @@ channels ``[k c_in/G, (k+1) c_in/G)`` with kernel columns
 :class:`ConvOuter` of its channel slices (:class:`GroupedConv`); its squared
 norm is the sum of theirs.
 
-Not covered (the layer counts as unsupported): Conv3D, transposed, depthwise
-and separable convolutions.
+Depthwise, separable and transposed convolutions: :mod:`.conv_more` (the
+transposed ones reuse :class:`ConvOuter`).
 """
 
 from __future__ import annotations
@@ -477,7 +477,7 @@ def _conv_unsupported(layer):
   why = registry_lib.common_unsupported(layer)
   if why:
     return why
-  if layer.rank not in (1, 2):
+  if layer.rank not in (1, 2, 3):
     return f"{layer.rank}D convolution"
   return None
 
@@ -534,3 +534,4 @@ CONV_RULE = registry_lib.LayerRule(variables=_conv_variables, capture=_conv_capt
 
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.Conv1D, CONV_RULE)
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.Conv2D, CONV_RULE)
+registry_lib.DEFAULT_REGISTRY.register(keras.layers.Conv3D, CONV_RULE)
