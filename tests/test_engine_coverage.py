@@ -9,8 +9,9 @@
 * ragged (bag-of-words) ids: the microbatch engine handles them, the others
   refuse with a message; padded ids with ``mask_zero=True`` work everywhere;
 * recurrent layers (issue 49): pfor cannot convert the gradient of their
-  ``tf.while_loop``; ``"auto"`` runs them on the microbatch engine, the
-  vectorized engine refuses them (at ``compile``; any other graph pfor cannot
+  ``tf.while_loop``; ``"auto"`` runs them on the layer-wise engine where they
+  have a rule (``tests/test_layerwise_rnn.py``), else on the microbatch
+  engine; the vectorized engine refuses them (at ``compile``; any other graph pfor cannot
   convert while tracing), an unrolled RNN vectorizes;
 * a trainable Keras variable the loss does not use (keras-hub Llama's untied
   output embedding): a zero gradient in every engine, not TensorFlow's
@@ -437,18 +438,31 @@ def _graph(engine):
 
 _RNNS = {"lstm": lambda: keras.layers.LSTM(4, name="my_lstm"),
          "bidirectional_gru": lambda: keras.layers.Bidirectional(keras.layers.GRU(3, name="my_gru"))}
+# Recurrent layers without a layer-wise rule (a stack of cells: tf_dpnsgd/per_example/layers/
+# recurrent.py recomputes single Simple/LSTM/GRU cells only).
+_RNNS_WITHOUT_RULE = {
+    "stacked_cells": lambda: keras.layers.RNN([keras.layers.LSTMCell(4), keras.layers.GRUCell(3)],
+                                              name="my_stack"),
+    "bidirectional_stacked": lambda: keras.layers.Bidirectional(
+        keras.layers.RNN([keras.layers.GRUCell(3)], name="my_gru_stack"))}
 
 
-@pytest.mark.parametrize("name", ["lstm", pytest.param("bidirectional_gru", marks=pytest.mark.slow)])
-def test_auto_runs_recurrent_layers_on_the_microbatch_engine(name):
+@pytest.mark.parametrize("name", ["stacked_cells",
+                                  pytest.param("bidirectional_stacked", marks=pytest.mark.slow)])
+def test_auto_runs_recurrent_layers_without_a_rule_on_the_microbatch_engine(name):
   # Before: "auto" picked the vectorized engine, whose trace failed with "TypeError: `dtype`
   # <dtype: 'variant'> is not compatible with 0 of dtype int64" (pfor's ZerosLike of the
-  # loop's TensorList).
-  model = _rnn_model(_RNNS[name]())
+  # loop's TensorList). LSTM, GRU and SimpleRNN layers now have a layer-wise rule.
+  model = _rnn_model(_RNNS_WITHOUT_RULE[name]())
   engine, why = choose_engine(model)
   assert engine == "microbatch" and "tf.while_loop" in why and "my_" in why
   assert resolve_engine(model, "auto") is microbatch_engine
   assert_matches_oracle(model, _token_ids(), labels(4), _graph(microbatch_engine))
+
+
+def test_auto_runs_recurrent_layers_with_a_rule_on_the_layerwise_engine():
+  for make in _RNNS.values():
+    assert choose_engine(_rnn_model(make()))[0] == "layerwise"
 
 
 def test_vectorized_refuses_recurrent_layers_at_compile():
@@ -465,7 +479,7 @@ def test_vectorized_refuses_recurrent_layers_at_compile():
 def test_an_unrolled_lstm_vectorizes_exactly():
   model = _rnn_model(keras.layers.LSTM(4, unroll=True))
   assert vectorized.while_loop_layers(model) == []
-  assert choose_engine(model)[0] == "vectorized"
+  assert choose_engine(model)[0] == "layerwise"  # the recurrent rule; explicit vectorized here
   assert_matches_oracle(model, _token_ids(), labels(4), _graph(vectorized_engine))
 
 

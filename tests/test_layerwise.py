@@ -446,8 +446,9 @@ def test_finite_loss_with_infinite_gradient_contributes_exactly_zero():
 # --- coverage, engine choice, failure modes ----------------------------------
 
 def _lstm_model():
+  """An LSTM without a layer-wise rule: its dropout masks are drawn inside Keras' cell."""
   inputs = keras.Input((3, 2))
-  h = keras.layers.LSTM(3, name="my_lstm")(inputs)
+  h = keras.layers.LSTM(3, dropout=0.5, name="my_lstm")(inputs)
   return keras.Model(inputs, keras.layers.Dense(2)(h))
 
 

@@ -14,8 +14,8 @@ downloaded). For each:
   summed and divided by the batch size.
 
 The quick tier holds three tiny cases (an LSTM, which crashed the vectorized
-engine; RMS normalization + PReLU; a transposed convolution); the others are
-``slow``.
+engine and now has a layer-wise rule; RMS normalization + PReLU; a transposed
+convolution); the others are ``slow``.
 """
 
 from __future__ import annotations
@@ -151,16 +151,15 @@ MODELS = {
 
 # The engine "auto" picks: (oneDNN off, oneDNN on). oneDNN is TensorFlow's CPU default on x86
 # Linux with AVX512-VNNI/AMX; with it on, "auto" avoids the vectorized engine for attention.
-_RNN = ("microbatch", "microbatch")  # tf.while_loop: pfor cannot convert its gradient
-_ATTENTION_NO_RULE = ("vectorized", "microbatch")
 _LAYERWISE = ("layerwise", "layerwise")  # every trainable variable has a rule
 AUTO_ENGINE = {
-    "lstm": _RNN, "gru": _RNN, "bidirectional_gru": _RNN, "simple_rnn": _RNN,
+    "lstm": _LAYERWISE, "gru": _LAYERWISE, "bidirectional_gru": _LAYERWISE,
+    "simple_rnn": _LAYERWISE,
     "conv3d": _LAYERWISE, "depthwise_separable_groupnorm": _LAYERWISE,
     "conv2d_transpose": _LAYERWISE, "dense_rmsnorm_prelu": _LAYERWISE,
     "bert": _LAYERWISE, "gpt2": _LAYERWISE,
     "llama": _LAYERWISE, "mistral": _LAYERWISE, "gemma": _LAYERWISE,
-    "vit": _ATTENTION_NO_RULE,
+    "vit": _LAYERWISE,
 }
 
 QUICK = ("lstm", "dense_rmsnorm_prelu", "conv2d_transpose")

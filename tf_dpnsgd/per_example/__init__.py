@@ -28,10 +28,12 @@ Engines (``per_example=`` on ``DPModel`` / ``make_private``):
     With the rules, book-keeping or two passes per traced batch: two passes
     where the output gradients book-keeping holds exceed the memory budget
     ``keep_per_example_mib`` (:func:`layerwise.choose_mode`, logged).
-    Models with recurrent layers that run a ``tf.while_loop`` (Keras RNNs
-    without ``unroll=True``) get ``"microbatch"``: pfor cannot convert the
-    loop's gradient (:func:`vectorized.while_loop_layers`; an explicit
-    ``"vectorized"`` refuses them at ``compile``).
+    Keras ``SimpleRNN``, ``LSTM`` and ``GRU`` layers have rules
+    (:mod:`layers.recurrent`); models with recurrent layers that have none
+    (dropout, stacked cells, ``ConvLSTM*``) and run a ``tf.while_loop`` (no
+    ``unroll=True``) get ``"microbatch"``: pfor cannot convert the loop's
+    gradient (:func:`vectorized.while_loop_layers`; an explicit
+    ``"vectorized"`` refuses every such model at ``compile``).
     With TensorFlow's oneDNN CPU kernels on, ``"auto"`` never runs the
     vectorized engine on a graph oneDNN breaks: it picks ``"microbatch"`` for
     models with layers known to (:func:`vectorized.onednn_risky_layers`) and

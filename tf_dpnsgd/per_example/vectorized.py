@@ -301,8 +301,11 @@ def onednn_risky_layers(model) -> list:
 
 MICROBATCH_ADVICE = ("Use per_example='microbatch' (exact, one example at a time; "
                      "per_example='auto' picks it for such models).")
-LOOP_ADVICE = (MICROBATCH_ADVICE[:-1] + ", or build the recurrent layers with unroll=True (a "
-               "fixed sequence length), which the vectorized engine handles.")
+LOOP_ADVICE = ("Use per_example='layerwise' (or 'auto', which picks it) where every recurrent "
+               "layer has a layer-wise rule (SimpleRNN, LSTM, GRU, RNN of one of their cells; "
+               "dropout 0, not stateful), else per_example='microbatch' (exact, one example at "
+               "a time; 'auto' picks it for the others), or build the recurrent layers with "
+               "unroll=True (a fixed sequence length), which the vectorized engine handles.")
 
 
 def while_loop_layers(model) -> list:

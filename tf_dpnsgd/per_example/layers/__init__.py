@@ -27,14 +27,22 @@ keras-hub's ``LlamaLayerNorm``,                                   output is ``xh
 ``MistralLayerNormalization``, Gemma's
 ``RMSNormalization``)
 ``keras.layers.PReLU``                         :mod:`.activation`  alpha (materialised)
+``keras.layers.SimpleRNN`` / ``LSTM`` /        :mod:`.recurrent`  kernel, recurrent kernel (ghost or
+``GRU``; ``RNN`` of a ``SimpleRNNCell`` /                          materialised, sums over time of
+``LSTMCell`` / ``GRUCell`` (so also in                             outer products), bias; dropout 0,
+``Bidirectional``)                                                 not stateful
+keras-hub ``ViTPatchingAndEmbedding``          :mod:`.vision`     patch kernel (``Conv2D`` rule), bias,
+(``ViTBackbone``)                                                 class token, position rows
 =============================================  =================  ==================================
 
 Composite layers without variables of their own (``MultiHeadAttention``,
-keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``, functional
-sub-models and backbones) need no rule: the engine visits their sublayers.
+keras-hub's ``TransformerEncoder``, ``TokenAndPositionEmbedding``,
+``Bidirectional``, functional sub-models and backbones) need no rule: the
+engine visits their sublayers.
 """
 
 from tf_dpnsgd.per_example.layers import (activation, conv, conv_more, dense, embedding, lora,
-                                          normalization)
+                                          normalization, recurrent, vision)
 
-__all__ = ["activation", "conv", "conv_more", "dense", "embedding", "lora", "normalization"]
+__all__ = ["activation", "conv", "conv_more", "dense", "embedding", "lora", "normalization",
+           "recurrent", "vision"]
