@@ -587,3 +587,18 @@ def test_curve_composition_worst_case_and_monotone_envelope():
 def test_bad_curves_raise(make):
   with pytest.raises(acc.AccountingError):
     make()
+
+
+def test_memoised_rdp_curves_are_independent_copies_equal_to_dp_accounting():
+  """rdp_curve memoises dp-accounting's one-composition RDP: a caller that edits the curve
+  it got cannot change the next caller's, and a memoised curve is dp-accounting's own."""
+  from tf_dpnsgd.accounting import rdp as rdp_module
+
+  spec = acc.make_spec(1000, 50, "poisson", orders=SMALL_ORDERS)
+  first = rdp_module.rdp_curve(spec, 1.3)
+  first.rdp[:] = -1.0  # a careless caller
+  second = rdp_module.rdp_curve(spec, 1.3)
+  a = dp_accounting.rdp.RdpAccountant(list(SMALL_ORDERS), R.ADD_OR_REMOVE_ONE)
+  a.compose(dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.3)))
+  np.testing.assert_allclose(second.rdp, a.rdp, rtol=1e-12)
+  assert rdp_module.rdp_curve(spec, 1.31).rdp[-1] < second.rdp[-1]  # another sigma, another curve
