@@ -457,7 +457,11 @@ class Sampler:
     hash, and for a structured sampling (:attr:`structured`) the data set's
     :func:`~tf_dpnsgd.participation.multiset_digest` too, so that the ledger, which pins
     the tag (:func:`tf_dpnsgd.ledger.seed_must_match`), refuses other data as it refuses
-    another seed."""
+    another seed. The tag is saved with the ledger; the digest enters it only mixed with
+    the hash of the secret seed, so without the seed it says nothing about the data. With a
+    user-fixed guessable seed, a holder of a saved model could test whether a candidate
+    data set is exactly the training set, as it could reproduce the sampling itself: leave
+    ``seed=None`` (63 bits from the OS) for anything released."""
     if not self.structured:
       return self.seed_hash
     digest = self._population(population).digest
