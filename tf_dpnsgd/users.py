@@ -21,8 +21,9 @@ sampling            Poisson over the ``U`` users at ``q = B / U``: each step inc
                     (padding rows and padding slots masked)
 contribution        per user slot, the gradient of the MEAN loss of the user's real
                     rows, normalized (DP-NSGD) or clipped (DP-SGD) ONCE
-                    (:func:`tf_dpnsgd.per_example.units.user_unit_engine`); sum over
-                    users, one noise draw, divided by ``B``
+                    (:mod:`tf_dpnsgd.per_example.units`: the layer-wise engine where
+                    the model has rules, else one user at a time); sum over users,
+                    one noise draw, divided by ``B``
 host checks         before each step (:mod:`tf_dpnsgd.guard`, :func:`check_user_batch`):
                     every unit holds the rows of at most one user, no user is in two
                     units, the batch's unit is the model's and the ledger's

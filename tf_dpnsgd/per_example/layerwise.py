@@ -1,6 +1,6 @@
 """The layer-wise engine: per-example norms and the weighted sum from one forward/backward.
 
-This module is long (about 630 lines): the capture, the backward, the norms and
+This module is long (about 660 lines): the capture, the backward, the norms and
 both weighted-sum modes (book-keeping, two passes) share one capture's state.
 
 DP-NSGD and DP-SGD need each unit's gradient norm ``||g_u||`` and then
@@ -51,6 +51,9 @@ consecutive examples: the captured tensors are regrouped so that the examples
 of a microbatch become positions of one unit, which is exact for the factored
 representations; convolutions materialise their per-example gradients and
 add them per unit in float64 (:func:`~tf_dpnsgd.per_example.factored.materialized_units`).
+With ``loss_weights`` (user-level units, :mod:`tf_dpnsgd.per_example.units`) the
+unit loss is ``sum_i w_i loss_i`` over the unit's rows instead of their mean
+(rows of weight 0 selected away), and ``unit_mask`` says which units count.
 
 Formal guarantees (as for every engine, see :mod:`tf_dpnsgd.transforms`), for
 every finite input whatever its magnitude:
@@ -453,7 +456,8 @@ def choose_mode(model, mode: str, held, budget: int, random_ops=()) -> str:
   return "bookkeeping"
 
 
-def _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first, decide=None):
+def _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first, decide=None,
+                  loss_weights=None):
   """One forward pass with the rules' capture and one backward pass to the probes.
 
   Returns:
@@ -461,7 +465,9 @@ def _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first, dec
     trainable variables (regrouped into microbatch units if asked).
   ``first``: run the graph checks (variable uses, batch axis). ``decide(capture)``,
   called after the forward pass, returns whether the random seeds advance
-  (False: a second pass follows that must draw the same numbers).
+  (False: a second pass follows that must draw the same numbers). ``loss_weights``:
+  ``[B]``, the backward pass differentiates ``sum_i w_i loss_i`` (rows with ``w_i = 0``
+  selected away with ``tf.where``) instead of the units' mean losses.
   """
   with tf.GradientTape(watch_accessed_variables=False) as tape:
     with stateless.NoStateWrites(model) as no_writes:  # only the seed generators may advance
@@ -472,9 +478,14 @@ def _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first, dec
         no_writes.advance_seeds = decide(capture)
     if first:
       check_variable_uses(capture, cov.plans)
-    total = tf.reduce_sum(tf.cast(losses, tf.float32))
-    if num_microbatches:  # unit loss = mean over its B/m examples
-      total = total * (num_microbatches / tf.cast(batch, tf.float32))
+    if loss_weights is not None:  # unit loss = sum of its rows' weighted losses
+      rows = tf.reshape(tf.cast(losses, tf.float32), [-1])
+      w = tf.cast(loss_weights, tf.float32)
+      total = tf.reduce_sum(tf.where(w != 0, rows * w, tf.zeros_like(rows)))
+    else:
+      total = tf.reduce_sum(tf.cast(losses, tf.float32))
+      if num_microbatches:  # unit loss = mean over its B/m examples
+        total = total * (num_microbatches / tf.cast(batch, tf.float32))
   probes = [p for c in capture.calls for p in c.probes]
   grads = tape.gradient(total, probes, unconnected_gradients=tf.UnconnectedGradients.ZERO)
   if first:
@@ -501,7 +512,8 @@ def _forward_ops(capture):
 
 @tf.autograph.experimental.do_not_convert
 def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
-                     registry=None, keep_bytes=None, mode="bookkeeping") -> EngineOutput:
+                     registry=None, keep_bytes=None, mode="bookkeeping", loss_weights=None,
+                     unit_mask=None) -> EngineOutput:
   """Transformed sum of per-unit gradients from each layer's inputs and output gradients.
 
   Args:
@@ -526,6 +538,9 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
       second forward and backward pass computes each layer's weighted sum as
       soon as its output gradient exists) or ``"auto"`` (two passes where the
       held output gradients would exceed ``keep_bytes``; :func:`choose_mode`).
+    loss_weights: optional ``[B]`` float with ``num_microbatches``: unit ``u``'s loss is
+      ``sum_{i in u} w_i loss_i`` (rows of weight 0 selected away) instead of the mean.
+    unit_mask: optional ``[num_microbatches]`` bool: False units contribute 0 (factor 0).
 
   Returns:
     :class:`EngineOutput`; ``summed`` is aligned with ``model.trainable_variables``.
@@ -541,6 +556,9 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
   cov = check_coverage(model, registry)
   check_no_sparse_inputs(x, "per_example='layerwise'")
   check_mask_and_microbatches(mask, num_microbatches)
+  if (loss_weights is not None or unit_mask is not None) and not num_microbatches:
+    raise ValueError("`loss_weights` and `unit_mask` weigh the rows of microbatch units: "
+                     "give `num_microbatches`.")
   batch = batch_size_of(x)
   with tf.control_dependencies(check_microbatches(batch, num_microbatches)):
     batch = tf.identity(batch)
@@ -556,7 +574,7 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
     return plan["mode"] == "bookkeeping"  # the seeds advance after the last pass
 
   reps, losses, y_pred = _capture_pass(model, loss_fn, x, y, cov, batch, num_microbatches,
-                                       first=True, decide=decide)
+                                       first=True, decide=decide, loss_weights=loss_weights)
   if reps:
     # Per-unit gradients kept for the weighted sum (saves its T p q products), within a budget.
     factored.plan_keeping([r for _, r in reps.values()], plan["keep"])
@@ -568,9 +586,10 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
     parts = [tf.zeros([num_microbatches or batch], tf.float64)]
   # Summed and square-rooted in float64, rounded up to float32: never below the true norm.
   norms = factored.upper_norms(parts)
-  factors = transform.factors(norms, mask)
+  factors = transform.factors(norms, mask if unit_mask is None else unit_mask)
   if plan["mode"] == "two_pass":
-    sums = _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, reps, factors)
+    sums = _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, reps, factors,
+                        loss_weights)
   else:
     sums = {}
     for k, (v, r) in reps.items():
@@ -586,7 +605,8 @@ def layerwise_engine(model, loss_fn, x, y, transform, mask=None, num_microbatche
                       losses=tf.reshape(tf.cast(losses, tf.float32), [-1]), y_pred=y_pred)
 
 
-def _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first_reps, factors):
+def _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first_reps, factors,
+                 loss_weights=None):
   """``{id(var): sum_u factors[u] g_u}`` from a second forward and backward pass.
 
   The second pass recomputes the first's tensors (same weights, inputs and
@@ -615,7 +635,8 @@ def _second_pass(model, loss_fn, x, y, cov, batch, num_microbatches, first_reps,
   # first one's backward pass, holding both passes' activations.
   with tf.control_dependencies([factors]):
     reps, _, _ = _capture_pass(model, loss_fn, tf.nest.map_structure(tf.identity, x), y, cov,
-                               batch, num_microbatches, first=False)
+                               batch, num_microbatches, first=False,
+                               loss_weights=loss_weights)
   sums = {}
   for k, (v, r) in reps.items():
     with tf.name_scope("sum_" + _var_scope(v)):

@@ -23,14 +23,28 @@ Formal guarantee: every slot's contribution has norm at most ``transform.sensiti
 whatever its rows hold; with one user per slot (checked on the host,
 :func:`tf_dpnsgd.users.check_user_batch`) that is the user-level bound. Tested against a
 loop of one ``tf.GradientTape`` per user (``tests/test_user_level.py``).
+
+The layer-wise engine computes the same slots' gradients without the loop
+(:func:`user_unit_layerwise_engine`): a slot is a microbatch of ``k`` rows, whose
+factored representations :mod:`tf_dpnsgd.per_example.layerwise` regroups into one unit
+(a slot's gradient is the sum over its rows and positions of the per-row outer
+products, i.e. one example's over a ``k`` times longer sequence: exact); each row's loss
+is weighted by ``1 / m`` (real rows) or 0 (padding rows, selected away), so the unit's
+loss is the masked mean above. Padding rows are the same copies as in the loop, and
+padding slots get factor 0 (``unit_mask``). ``per_example="auto"`` uses it where the
+model's engine is the layer-wise one (:func:`unit_engine_for`); the loop is the
+fallback (any other model, ragged inputs). Tested against the same oracle
+(``tests/test_user_level_engines.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import tensorflow as tf
 
+from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import microbatch
 from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example.base import EngineOutput, variable_gradients
@@ -59,6 +73,32 @@ def masked_mean(losses, mask):
   return tf.reduce_sum(kept) / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32)), 1.0)
 
 
+def slot_rows(row_mask, units, k):
+  """``[U k]`` int32: the row each position of a slot computes; a padding row becomes its
+  slot's first real row (the slot's first row if it has none).
+
+  >>> slot_rows(tf.constant([True, False, False, True]), 2, 2).numpy().tolist()  # slot 1: row 3
+  [0, 0, 3, 3]
+  """
+  m = tf.reshape(row_mask, [units, k])
+  first = tf.argmax(tf.cast(m, tf.int32), axis=1, output_type=tf.int32)  # 0 if no real row
+  starts = tf.range(units)[:, None] * k
+  return tf.reshape(starts + tf.where(m, tf.range(k)[None, :], first[:, None]), [-1])
+
+
+def _static_units(x, rows_per_unit):
+  k = int(rows_per_unit or 0)
+  if k < 1:
+    raise ValueError(f"`rows_per_unit` must be an integer >= 1; got {rows_per_unit!r}.")
+  static = tf.get_static_value(batch_size_of(x))
+  if static is None:
+    raise ValueError("User-level units need a static batch size (the sampler's batches have "
+                     "one).")
+  if int(static) % k:
+    raise ValueError(f"A user-level batch has whole units of k = {k} rows; got {static} rows.")
+  return int(static) // k, k
+
+
 @tf.autograph.experimental.do_not_convert
 def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=None,
                      variables=None) -> EngineOutput:
@@ -76,19 +116,9 @@ def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=N
     predictions, and ``unit_mask`` (the slots with a real row).
   """
   check_no_sparse_inputs(x, "user-level units")
-  k = int(rows_per_unit or 0)
-  if k < 1:
-    raise ValueError(f"`rows_per_unit` must be an integer >= 1; got {rows_per_unit!r}.")
+  units, k = _static_units(x, rows_per_unit)
   if variables is None:
     variables = model.trainable_variables
-  batch = batch_size_of(x)
-  static = tf.get_static_value(batch)
-  if static is None:
-    raise ValueError("User-level units need a static batch size (the sampler's batches have "
-                     "one).")
-  if int(static) % k:
-    raise ValueError(f"A user-level batch has whole units of k = {k} rows; got {static} rows.")
-  units = int(static) // k
   row_mask = tf.ones([units * k], tf.bool) if mask is None else tf.cast(mask, tf.bool)
   slots = unit_mask(row_mask, units * k, k)
 
@@ -112,4 +142,69 @@ def user_unit_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=N
   return dataclasses.replace(out, unit_mask=slots)
 
 
-__all__ = ["masked_mean", "unit_mask", "user_unit_engine"]
+def _has_ragged_inputs(x) -> bool:
+  return any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten(x))
+
+
+@tf.autograph.experimental.do_not_convert
+def user_unit_layerwise_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=None,
+                               **layerwise_kwargs) -> EngineOutput:
+  """:func:`user_unit_engine`'s result from the layer-wise engine (no loop over slots).
+
+  Each slot of ``k`` rows is one microbatch unit of
+  :func:`~tf_dpnsgd.per_example.layerwise.layerwise_engine`, whose representations sum
+  the slot's rows' per-row gradients exactly (see the module docstring); row ``i``'s
+  loss weight is ``1 / m_u`` (real rows of a slot with ``m_u`` of them) or 0 (padding,
+  selected away with ``tf.where``), and padding slots have factor 0 (``unit_mask``).
+  Ragged inputs run :func:`user_unit_engine` (the layer-wise rules refuse them).
+
+  Args:
+    model, loss_fn, x, y, transform, mask, rows_per_unit: as :func:`user_unit_engine`.
+    **layerwise_kwargs: ``registry``, ``keep_bytes``, ``mode`` of the layer-wise engine.
+
+  Raises:
+    UnsupportedLayerError: a trainable variable without a layer-wise rule.
+  """
+  if _has_ragged_inputs(x):
+    return user_unit_engine(model, loss_fn, x, y, transform, mask=mask,
+                            rows_per_unit=rows_per_unit)
+  check_no_sparse_inputs(x, "user-level units")
+  units, k = _static_units(x, rows_per_unit)
+  row_mask = tf.ones([units * k], tf.bool) if mask is None else tf.cast(mask, tf.bool)
+  slots = unit_mask(row_mask, units * k, k)
+  rows = slot_rows(row_mask, units, k)
+  x_rows, y_rows = tf.nest.map_structure(lambda t: tf.gather(t, rows), (x, y))
+  real = tf.reduce_sum(tf.cast(tf.reshape(row_mask, [units, k]), tf.float32), axis=1)
+  weights = tf.where(row_mask, tf.repeat(1.0 / tf.maximum(real, 1.0), k), 0.0)
+  out = layerwise.layerwise_engine(model, loss_fn, x_rows, y_rows, transform,
+                                   num_microbatches=units, loss_weights=weights,
+                                   unit_mask=slots, **layerwise_kwargs)
+  return dataclasses.replace(out, unit_mask=slots)
+
+
+def unit_engine_for(engine):
+  """The user-level engine matching a resolved example-level ``engine``
+  (:func:`tf_dpnsgd.per_example.resolve_engine`): :func:`user_unit_layerwise_engine` with
+  the same keyword arguments (mode, keep budget) where ``engine`` (or ``"auto"``'s choice
+  for dense inputs, its ``dense_engine``) is the layer-wise or two-pass engine, else the
+  loop :func:`user_unit_engine`.
+
+  >>> unit_engine_for(layerwise.two_pass_engine).keywords
+  {'mode': 'two_pass'}
+  >>> unit_engine_for(microbatch.microbatch_engine) is user_unit_engine
+  True
+  """
+  fn = getattr(engine, "dense_engine", engine)
+  keywords = {}
+  while isinstance(fn, functools.partial):
+    keywords = {**fn.keywords, **keywords}
+    fn = fn.func
+  if fn is layerwise.two_pass_engine:
+    keywords.setdefault("mode", "two_pass")
+  elif fn is not layerwise.layerwise_engine:
+    return user_unit_engine
+  return functools.partial(user_unit_layerwise_engine, **keywords)
+
+
+__all__ = ["masked_mean", "slot_rows", "unit_engine_for", "unit_mask", "user_unit_engine",
+           "user_unit_layerwise_engine"]

@@ -117,7 +117,8 @@ def contributions(model, x, y, mask, num_microbatches, transform, length_key=Non
     if size is not None or num_microbatches:
       raise ValueError("User-level units (privacy_unit='user') are groups of k rows already: "
                        "drop physical_batch_size and num_microbatches.")
-    return loss_scale_lib.scaled_contributions(units_lib.user_unit_engine, model,
+    # Layer-wise slots where the model's engine is layer-wise (auto), else the loop.
+    return loss_scale_lib.scaled_contributions(units_lib.unit_engine_for(engine), model,
                                                model._dp_loss_fn, x, y, transform,
                                                model.loss_scale, mask=mask,
                                                rows_per_unit=rows_per_user)
