@@ -353,7 +353,12 @@ def fit_arguments(model, arguments: dict) -> dict:
   for name in ("sample_weight", "class_weight"):
     if args.get(name) is not None:
       raise ValueError(f"DP training does not take `{name}`: weights change each example's "
-                       "contribution and hence the sensitivity.")
+                       "contribution and hence the sensitivity. For a per-token padding mask "
+                       "(a causal LM's `sample_weight`), mark the padded labels instead: "
+                       "`y = np.where(sample_weight > 0, y, -1)` and compile with "
+                       "`keras.losses.SparseCategoricalCrossentropy(from_logits=True, "
+                       "ignore_class=-1)`; each sequence's loss is then the mean over its own "
+                       "unpadded tokens (docs/text_library_path.md, 'Causal language models').")
   x = preprocessed(model, x)
   if args.get("validation_data") is not None:
     x_val, *rest = args["validation_data"]
