@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import fixtures
+from launch_each import launch_each
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -130,15 +131,27 @@ def test_cifar10_through_tfds_mock_data(tmp_path):
   assert report(tmp_path)["dataset_size"] == 24
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args,message", [
+BAD_QUICKSTART_FLAGS = [
     (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "only one of --noise_multiplier"),
     (["--optimizer=sgd", "--noise_multiplier=1.0"], "--optimizer=sgd trains without privacy"),
     (["--batch_size=5000"], "larger than the training set"),
     (["--regularizer=0"], "--regularizer must be > 0"),
-])
-def test_bad_flags_fail_before_training(args, message):
-  out = launch("tf_dpnsgd.launch.quickstart", "--epochs=1", *args, check=False)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_quickstart_runs():
+  """Every case's launch, all in one process (tests/launch_each.py)."""
+  return launch_each("tf_dpnsgd.launch.quickstart",
+                     [["--epochs=1", *args] for args, _ in BAD_QUICKSTART_FLAGS], env=ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(BAD_QUICKSTART_FLAGS)),
+                         ids=[m for _, m in BAD_QUICKSTART_FLAGS])
+def test_bad_flags_fail_before_training(bad_quickstart_runs, case):
+  message = BAD_QUICKSTART_FLAGS[case][1]
+  out = bad_quickstart_runs[case]
   assert out.returncode != 0 and message in out.stderr
   assert "Traceback" not in out.stderr and "FATAL" in out.stderr  # a flag error, one line
   assert "epoch" not in out.stdout
@@ -465,15 +478,27 @@ def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(tm
   assert cached and "token_embedding" in cached[0], rep["not_covered"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args,message", [
+BAD_SST2_FLAGS = [
     (["--cache_frozen_layers"], "--cache_frozen_layers needs --trainable_layers"),
     (["--cache_frozen_layers", "--trainable_layers=1"], "--pooling=mean"),
     (["--optimizer=adam", "--target_epsilon=2"], "trains without privacy"),
     (["--feature_cache_dir=/tmp/unused"], "--feature_cache_dir keeps"),
-])
-def test_sst2_cache_and_baseline_flags_refused_before_training(tmp_path, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_sst2_runs(tmp_path_factory):
+  """Every case's launch on one tiny preset and data set, all in one process."""
+  tmp_path = tmp_path_factory.mktemp("sst2_flags")
   preset = _tiny_sst2(tmp_path)
-  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-               "--sequence_length=16", *args, check=False)
+  common = [f"--preset={preset}", f"--data_dir={tmp_path}/glue", "--sequence_length=16"]
+  return launch_each("tf_dpnsgd.launch.sst2", [[*common, *args] for args, _ in BAD_SST2_FLAGS],
+                     env=ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(BAD_SST2_FLAGS)), ids=[m for _, m in BAD_SST2_FLAGS])
+def test_sst2_cache_and_baseline_flags_refused_before_training(bad_sst2_runs, case):
+  message = BAD_SST2_FLAGS[case][1]
+  out = bad_sst2_runs[case]
   assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from test_cifar10_image_folder import write_image_folder
+from launch_each import launch_each
+from test_launch import ENV
 from test_launch import launch
 from test_launch import report
 
@@ -107,8 +109,7 @@ def test_committed_correlated_noise_sweep_cells_run_their_mechanism(tmp_path, sw
   assert bool(rep.get("blt")) == (mechanism == "blt")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
+BAD_SCATTER_FLAGS = [
     (["--model=scatter_linear", "--augment"], "--augment needs --model=resnet20"),
     (["--model=scatter_cnn", "--feature_groups=10"], "--feature_groups"),
     (["--model=scatter_linear", "--feature_views=identity,rotate"], "--feature_views: Unknown"),
@@ -118,11 +119,25 @@ def test_committed_correlated_noise_sweep_cells_run_their_mechanism(tmp_path, sw
      "--feature_norm_variance_floor needs --feature_normalization=private_data"),
     (["--model=scatter_linear", "--feature_normalization=private_data",
       "--feature_norm_variance_floor=-1"], "--feature_norm_variance_floor: The variance floor"),
-])
-def test_scatter_flag_errors_are_one_line(tmp_path, args, message):
-  write_image_folder(tmp_path / "data", per_class=(2, 1))
-  out = launch("tf_dpnsgd.launch.cifar10", f"--data_dir={tmp_path}/data", *args, *TINY,
-               check=False)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_scatter_runs(tmp_path_factory):
+  """Every case's launch on one tiny image folder, all in one process (tests/launch_each.py)."""
+  data = tmp_path_factory.mktemp("scatter_flags") / "data"
+  write_image_folder(data, per_class=(2, 1))
+  return launch_each("tf_dpnsgd.launch.cifar10",
+                     [[f"--data_dir={data}", *args, *TINY] for args, _ in BAD_SCATTER_FLAGS],
+                     env=ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(BAD_SCATTER_FLAGS)),
+                         ids=[m for _, m in BAD_SCATTER_FLAGS])
+def test_scatter_flag_errors_are_one_line(bad_scatter_runs, case):
+  message = BAD_SCATTER_FLAGS[case][1]
+  out = bad_scatter_runs[case]
   assert out.returncode != 0 and message in out.stderr
   assert "Traceback" not in out.stderr and "FATAL" in out.stderr
 
