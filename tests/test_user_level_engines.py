@@ -158,3 +158,22 @@ def test_auto_picks_layerwise_units_where_the_model_has_rules_and_the_loop_other
   out = step_lib.contributions(model, tf.constant(x), tf.constant(y), tf.constant(MASK), None,
                                transform)
   _assert_close(out.summed, _oracle(model, x, y, transform))
+
+
+@pytest.mark.parametrize("per_example,expected", [
+    ("layerwise", "layerwise"), ("two_pass", "layerwise"), ("microbatch", "loop")])
+def test_an_explicit_engine_gets_its_user_level_form_and_vectorized_is_refused(per_example,
+                                                                               expected):
+  kwargs = dict(privacy_unit="user", user_key="uid", max_examples_per_user=K,
+                noise_multiplier=1.0, delta=1e-5, batch_size=2, steps=2, dataset_size=6)
+  model = tf_dpnsgd.make_private(_dense_model(), per_example=per_example, **kwargs)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.01), loss=LOSS)
+  engine = units.unit_engine_for(model._dp_engine)
+  if expected == "loop":
+    assert engine is units.user_unit_engine
+  else:
+    assert engine.func is units.user_unit_layerwise_engine
+    assert engine.keywords.get("mode", "bookkeeping") == (
+        "two_pass" if per_example == "two_pass" else "bookkeeping")
+  with pytest.raises(ValueError, match="no user-level form"):
+    tf_dpnsgd.make_private(_dense_model(), per_example="vectorized", **kwargs)

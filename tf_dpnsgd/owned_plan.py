@@ -200,10 +200,11 @@ def unit_keywords(privacy_unit, user_key, max_examples_per_user, sampling, per_e
   if user_key is None or max_examples_per_user is None:
     raise ValueError("privacy_unit='user' needs user_key=<the user id column of x> and "
                      "max_examples_per_user=k (the most rows of one user a step uses).")
-  if per_example not in ("auto", "microbatch"):
-    raise ValueError(f"privacy_unit='user' computes each user's gradient with its own "
-                     f"exact engine (one user at a time); per_example={per_example!r} does "
-                     "not apply: leave it 'auto'.")
+  if per_example not in users_lib.UNIT_ENGINES:
+    raise ValueError(f"privacy_unit='user' computes each user's gradient on the layer-wise "
+                     f"engine (where every layer has a rule) or the per-user loop; "
+                     f"per_example={per_example!r} has no user-level form: use one of "
+                     f"{users_lib.UNIT_ENGINES} ('auto' picks).")
   return users_lib.SAMPLING, {"user_key": user_key,
                               "max_examples_per_user": max_examples_per_user}
 
