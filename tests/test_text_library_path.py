@@ -104,3 +104,31 @@ def test_raw_strings_and_preprocessed_inputs_train_the_same_model(tmp_path):
   direct.fit(features, y, verbose=0)
   for a, b in zip(trained, direct.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_docs_recipe_runs_as_written_on_a_tiny_preset(tmp_path, capsys):
+  """docs/text_library_path.md's recipe block, executed: only the preset folder, the
+  elided hyperparameters (``...``) and the sizes are replaced for a tiny BERT preset and
+  12 sentences; every call of the page runs as written and prints the report."""
+  import os
+  import re
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "text_library_path.md"), encoding="utf-8") as f:
+    page = f.read()
+  block = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+  preset = fixtures.write_tiny_bert_preset(tmp_path / "preset")
+  substitutions = {'"./my_minilm_preset"': repr(preset), "learning_rate=...": "learning_rate=0.1",
+                   "regularizer=...": "regularizer=1.0", "batch_size=256": "batch_size=8",
+                   "epochs=3": "epochs=1"}
+  for old, new in substitutions.items():
+    assert old in block, old  # the page still says what this test replaces
+    block = block.replace(old, new)
+  x, y = _sentences()
+  namespace = {"sentences": x, "labels": y, "dev_sentences": x[:8], "dev_labels": y[:8]}
+  exec(compile(block, "docs/text_library_path.md", "exec"), namespace)  # noqa: S102
+  private = namespace["private"]
+  assert private.privacy_ledger.steps > 0
+  printed = capsys.readouterr().out
+  assert "epsilon" in printed.lower() and "my_minilm_preset" in printed, printed[-2000:]
