@@ -372,3 +372,49 @@ def result_lines(script: str, timeout: int = 300) -> tuple:
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=timeout)
   return [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")], out.stderr
+
+
+def linear_loss(y_true, y_pred):
+  """``<y_true_i, y_pred_i>`` per example: the output gradient is ``y_true`` exactly."""
+  import tensorflow as tf
+  return tf.reduce_sum(tf.cast(y_true, y_pred.dtype) * y_pred, axis=-1)
+
+
+def assert_cancelling_uses_stay_within_the_sensitivity(layer, shape, batch, magnitude,
+                                                       randomize):
+  """One ``layer`` on ``x`` and ``x (1 + 1e-7)`` (inputs of ``magnitude``) with output
+  gradients ``c`` and ``-(1 - 1e-4) c``: each example's gradient nearly cancels. Each
+  example's contribution from the layer-wise engine, read off the batch with the others
+  masked out, must have norm at most the clip and be within float32 rounding of the
+  float64 tape oracle's (one tape per example). ``randomize(model)`` sets the weights."""
+  import tensorflow as tf
+  from tf_dpnsgd import transforms
+  from tf_dpnsgd.per_example.layerwise import layerwise_engine
+
+  L = keras.layers
+  a, b = keras.Input(shape), keras.Input(shape)
+  model = keras.Model([a, b], L.Concatenate()([L.Flatten()(layer(a)), L.Flatten()(layer(b))]))
+  randomize(model)
+  rng = np.random.default_rng(3)
+  x1 = (magnitude * rng.normal(size=(batch,) + tuple(shape))).astype(np.float32)
+  x2 = (x1 * np.float32(1 + 1e-7)).astype(np.float32)
+  width = model.output_shape[-1] // 2
+  c = rng.normal(size=(batch, width)).astype(np.float32)
+  y_true = tf.constant(np.concatenate([c, (-(1 - 1e-4) * c).astype(np.float32)], axis=1))
+  x = [tf.constant(x1), tf.constant(x2)]
+  grads = []
+  for i in range(batch):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(linear_loss(y_true[i:i + 1], model([x1[i:i + 1], x2[i:i + 1]])))
+    grads.append(np.concatenate([g.numpy().astype(np.float64).ravel()
+                                 for g in tape.gradient(loss, model.trainable_variables)]))
+  true_norms = np.linalg.norm(np.stack(grads), axis=1)
+  assert np.all(true_norms > 0)
+  transform = transforms.Clip(1e-2 * float(np.median(true_norms)))
+  for i in range(batch):
+    mask = tf.constant(np.arange(batch) == i)
+    out = layerwise_engine(model, linear_loss, x, y_true, transform, mask=mask)
+    got = np.concatenate([s.numpy().astype(np.float64).ravel() for s in out.summed])
+    h = float(out.factors.numpy()[i])
+    assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
+    np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)

@@ -27,6 +27,7 @@ from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import (UnsupportedLayerError, choose_engine, factored,
                                    layerwise_engine, microbatch_engine, two_pass_engine)
 from tf_dpnsgd.per_example.layers import conv, conv_more
+import fixtures
 from fixtures import assert_engine_output, normalized_sum_by_loop
 
 L = keras.layers
@@ -297,11 +298,6 @@ def test_depthwise_cancelling_uses_are_recomputed_in_float64():
                              np.tensordot(factors.numpy(), oracle, axes=1), rtol=1e-6)
 
 
-def _linear_loss(y_true, y_pred):
-  """``<y_true_i, y_pred_i>``: the output gradient is ``y_true`` exactly."""
-  return tf.reduce_sum(tf.cast(y_true, y_pred.dtype) * y_pred, axis=-1)
-
-
 @pytest.mark.parametrize("name", ["depthwise2d_same", "separable2d_same",
                                   "conv2d_transpose_same"])
 def test_nearly_cancelling_uses_stay_within_the_sensitivity(name):
@@ -311,33 +307,8 @@ def test_nearly_cancelling_uses_stay_within_the_sensitivity(name):
   the others masked out, has norm at most the sensitivity and is within float32 rounding of
   the exact one."""
   make, shape = LAYERS[name]
-  layer = make()
-  a, b = keras.Input(shape), keras.Input(shape)
-  model = keras.Model([a, b], L.Concatenate()([L.Flatten()(layer(a)), L.Flatten()(layer(b))]))
-  _randomize(model)
-  rng = np.random.default_rng(3)
-  x1 = (1e6 * rng.normal(size=(BATCH,) + shape)).astype(np.float32)
-  x2 = (x1 * np.float32(1 + 1e-7)).astype(np.float32)
-  width = model.output_shape[-1] // 2
-  c = rng.normal(size=(BATCH, width)).astype(np.float32)
-  y_true = tf.constant(np.concatenate([c, (-(1 - 1e-4) * c).astype(np.float32)], axis=1))
-  x = [tf.constant(x1), tf.constant(x2)]
-  grads = []
-  for i in range(BATCH):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(_linear_loss(y_true[i:i + 1], model([x1[i:i + 1], x2[i:i + 1]])))
-    grads.append(np.concatenate([g.numpy().astype(np.float64).ravel()
-                                 for g in tape.gradient(loss, model.trainable_variables)]))
-  true_norms = np.linalg.norm(np.stack(grads), axis=1)
-  assert np.all(true_norms > 0)
-  transform = transforms.Clip(1e-2 * float(np.median(true_norms)))
-  for i in range(BATCH):
-    mask = tf.constant(np.arange(BATCH) == i)
-    out = layerwise_engine(model, _linear_loss, x, y_true, transform, mask=mask)
-    got = np.concatenate([s.numpy().astype(np.float64).ravel() for s in out.summed])
-    h = float(out.factors.numpy()[i])
-    assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
-    np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)
+  fixtures.assert_cancelling_uses_stay_within_the_sensitivity(make(), shape, BATCH, 1e6,
+                                                              _randomize)
 
 
 def test_auto_picks_layerwise_for_mobilenet_conv3d_and_transposed_models():
