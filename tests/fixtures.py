@@ -418,3 +418,40 @@ def assert_cancelling_uses_stay_within_the_sensitivity(layer, shape, batch, magn
     h = float(out.factors.numpy()[i])
     assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
     np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)
+
+
+def half_squared_error(y_true, y_pred):
+  """Half the squared error per example: its output gradient ``y_pred - y_true`` is well
+  conditioned (a saturated softmax's ``p - 1`` loses relative precision, differently in
+  each engine)."""
+  import tensorflow as tf
+  return 0.5 * tf.reduce_sum(tf.square(y_pred - y_true), axis=-1)
+
+
+def check_rule_against_the_loops(model, x, y, r, engine=None, mask=None,
+                                 loss=half_squared_error):
+  """``engine`` (the layer-wise engine by default) against the microbatch engine, for the
+  normalized (regularizer ``r``) and clipped (1.0) sums, and for the normalized sum
+  against the float64 per-example loop (:func:`normalized_sum_by_loop`) where no
+  ``mask`` is given. Returns the normalized output."""
+  import tensorflow as tf
+  from tf_dpnsgd import transforms
+  from tf_dpnsgd.per_example.layerwise import layerwise_engine
+  from tf_dpnsgd.per_example.microbatch import microbatch_engine
+
+  engine = engine or layerwise_engine
+  outs = []
+  for transform in (transforms.Normalize(r), transforms.Clip(1.0)):
+    outs.append(engine(model, loss, x, y, transform, mask=mask))
+    loop = microbatch_engine(model, loss, x, y, transform, mask=mask)
+    np.testing.assert_allclose(outs[-1].norms, loop.norms, rtol=1e-5)
+    np.testing.assert_allclose(outs[-1].factors, loop.factors, rtol=1e-5)
+    for got, expected in zip(outs[-1].summed, loop.summed):
+      np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+  if mask is None:
+    batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    norms, summed = normalized_sum_by_loop(
+        model.trainable_variables,
+        lambda i: tf.reduce_sum(loss(y[i:i + 1], model(x[i:i + 1], training=True))), batch, r)
+    assert_engine_output(outs[0], norms, summed, norm_rtol=1e-5, sum_rtol=1e-4, sum_atol=1e-6)
+  return outs[0]

@@ -28,7 +28,6 @@ from tf_dpnsgd.per_example import (UnsupportedLayerError, choose_engine, factore
                                    layerwise_engine, microbatch_engine, two_pass_engine)
 from tf_dpnsgd.per_example.layers import conv, conv_more
 import fixtures
-from fixtures import assert_engine_output, normalized_sum_by_loop
 
 L = keras.layers
 R = 0.1  # DP-NSGD regularizer
@@ -101,23 +100,8 @@ def _data(shape, magnitude=1.0, seed=1):
 
 
 def _check(model, x, y, engine=layerwise_engine, mask=None):
-  """``engine`` against the microbatch engine (normalized and clipped sums) and, for the
-  normalized sum, the float64 loop oracle."""
-  outs = []
-  for transform in (transforms.Normalize(R), transforms.Clip(1.0)):
-    outs.append(engine(model, _loss, x, y, transform, mask=mask))
-    loop = microbatch_engine(model, _loss, x, y, transform, mask=mask)
-    np.testing.assert_allclose(outs[-1].norms, loop.norms, rtol=1e-5)
-    np.testing.assert_allclose(outs[-1].factors, loop.factors, rtol=1e-5)
-    for got, expected in zip(outs[-1].summed, loop.summed):
-      np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
-  out = outs[0]  # normalized
-  if mask is None:
-    norms, summed = normalized_sum_by_loop(
-        model.trainable_variables,
-        lambda i: tf.reduce_sum(_loss(y[i:i + 1], model(x[i:i + 1], training=True))), BATCH, R)
-    assert_engine_output(out, norms, summed, norm_rtol=1e-5, sum_rtol=1e-4, sum_atol=1e-6)
-  return out
+  return fixtures.check_rule_against_the_loops(model, x, y, R, engine=engine, mask=mask,
+                                               loss=_loss)
 
 
 # Cases Keras compiles with XLA on CPU (seconds each) run at one magnitude.

@@ -21,10 +21,10 @@ import pytest
 import tensorflow as tf
 
 import tf_dpnsgd
-from tf_dpnsgd import transforms
-from tf_dpnsgd.per_example import choose_engine, layerwise_engine, microbatch_engine
+from tf_dpnsgd.per_example import choose_engine
 from tf_dpnsgd.per_example.layers import vision
-from fixtures import assert_engine_output, normalized_sum_by_loop
+import fixtures
+from fixtures import normalized_sum_by_loop
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -69,19 +69,7 @@ def _data(magnitude=1.0, seed=1):
 
 
 def _check(model, x, y, mask=None):
-  outs = []
-  for transform in (transforms.Normalize(R), transforms.Clip(1.0)):
-    outs.append(layerwise_engine(model, _loss, x, y, transform, mask=mask))
-    loop = microbatch_engine(model, _loss, x, y, transform, mask=mask)
-    np.testing.assert_allclose(outs[-1].norms, loop.norms, rtol=1e-5)
-    for got, expected in zip(outs[-1].summed, loop.summed):
-      np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
-  if mask is None:
-    norms, summed = normalized_sum_by_loop(
-        model.trainable_variables,
-        lambda i: tf.reduce_sum(_loss(y[i:i + 1], model(x[i:i + 1], training=True))), BATCH, R)
-    assert_engine_output(outs[0], norms, summed, norm_rtol=1e-5, sum_rtol=1e-4, sum_atol=1e-6)
-  return outs[0]
+  return fixtures.check_rule_against_the_loops(model, x, y, R, mask=mask, loss=_loss)
 
 
 def test_the_rule_is_registered_under_keras_hubs_class():
