@@ -187,6 +187,51 @@ def test_rng_state_check_catches_a_leak(tmp_path):
     export.check_no_rng_state(tmp_path / "leaky")
 
 
+def _two_step_private_model():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((6,), name="features")
+  model = tf_dpnsgd.make_private(keras.Model(inputs, keras.layers.Dense(3)(inputs)),
+                                 noise_multiplier=1.0, delta=1e-3, batch_size=8, steps=2)
+  model.compile(optimizer=tf_dpnsgd.DPNSGD(learning_rate=0.1, regularizer=0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 6)).astype("float32")
+  model.fit(x, rng.integers(0, 3, 32), verbose=0)
+  return model, x
+
+
+def test_a_private_model_exports_on_its_own_inputs_with_its_own_report(tmp_path):
+  """export_private, the library path's export (issue 48): the SavedModel on the model's own
+  inputs gives the in-memory model's logits; privacy_report.json is the ledger's claim (the
+  model's report: epsilon, steps, what it does not cover) plus the given fields, and neither
+  file holds the secret noise seed."""
+  model, x = _two_step_private_model()
+  export_dir = export.export_private(model, tmp_path / "e", final_metrics={"accuracy": 0.25})
+  out = export.load_serving_fn(export_dir)(features=tf.constant(x[:4]))
+  logits = np.asarray(model(x[:4], training=False))
+  np.testing.assert_allclose(out["logits"].numpy(), logits, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(out["class_ids"].numpy(), logits.argmax(-1))
+  with open(os.path.join(export_dir, "privacy_report.json"), encoding="utf-8") as f:
+    written = json.load(f)
+  own = model.privacy_report()
+  assert written["steps"] == model.privacy_ledger.steps == 2
+  assert written["epsilon"] == pytest.approx(own.epsilon, rel=1e-12) and own.epsilon > 0
+  assert written["not_covered"] == list(own.not_covered)
+  assert written["final_metrics"] == {"accuracy": 0.25} and "versions" in written
+  names = export.exported_variable_names(export_dir)
+  assert names and not any("dp_noise" in n or "seed" in n for n in names), names
+  assert "noise_seed" not in json.dumps(written)
+  with pytest.raises(FileExistsError, match="never written over"):
+    export.export_private(model, export_dir)
+
+
+def test_export_private_refuses_a_model_that_is_not_private(tmp_path):
+  plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+  with pytest.raises(TypeError, match="make_private"):
+    export.export_private(plain, tmp_path / "e")
+  assert not os.path.exists(tmp_path / "e")
+
+
 @pytest.mark.slow
 def test_a_private_model_loaded_from_a_keras_file_exports(tmp_path):
   """Issue 31: a wrapped private model (Sequential) saved as .keras and loaded in a new

@@ -71,22 +71,6 @@ def test_the_preprocessor_runs_in_chunks_before_the_sampler_and_passes_model_inp
 
 
 @pytest.mark.slow
-def test_a_keras_hub_task_trains_privately_on_raw_strings(tmp_path):
-  task = _task(tmp_path)
-  x, y = _sentences()
-  model = _private(task)
-  history = model.fit(x, y, validation_data=(x, y), verbose=0)
-  assert model.privacy_ledger.steps == model.privacy_plan.num_steps
-  assert "val_accuracy" in history.history
-  # Row independence: each string's row alone is its row in the batch.
-  together = task.preprocessor(x)
-  for i in (0, len(x) - 1):
-    alone = task.preprocessor(x[i:i + 1])
-    for key in together:
-      np.testing.assert_array_equal(np.asarray(alone[key])[0], np.asarray(together[key])[i])
-
-
-@pytest.mark.slow
 def test_raw_strings_and_preprocessed_inputs_train_the_same_model(tmp_path):
   """Oracle: the same plan seed and noise seed on the preprocessor's outputs, fed directly."""
   x, y = _sentences()
@@ -107,6 +91,52 @@ def test_raw_strings_and_preprocessed_inputs_train_the_same_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_task_trains_on_raw_strings_keeps_its_preprocessor_in_keras_and_exports(tmp_path):
+  """A keras-hub task trains privately on raw strings (validation data too), each string's
+  row being what the preprocessor gives for it alone; saved as ``.keras`` and loaded, it keeps
+  its preprocessor (the vocabulary too: the same token ids) and trains on raw strings again
+  after its plan is extended (issue 48); ``export_private`` serves raw strings with the
+  in-memory model's logits and writes its report."""
+  import json
+  import os
+
+  import tensorflow as tf
+
+  from tf_dpnsgd import export
+  x, y = _sentences()
+  task = _task(tmp_path)
+  model = _private(task)
+  history = model.fit(x, y, validation_data=(x, y), verbose=0)
+  assert model.privacy_ledger.steps == model.privacy_plan.num_steps
+  assert "val_accuracy" in history.history
+  # Row independence: each string's row alone is its row in the batch.
+  together = task.preprocessor(x)
+  for i in (0, len(x) - 1):
+    alone = task.preprocessor(x[i:i + 1])
+    for key in together:
+      np.testing.assert_array_equal(np.asarray(alone[key])[0], np.asarray(together[key])[i])
+  path = str(tmp_path / "private.keras")
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  assert loaded._dp_preprocessor is not None
+  for key, ids in task.preprocessor(x).items():
+    np.testing.assert_array_equal(np.asarray(loaded._dp_preprocessor(x)[key]), np.asarray(ids))
+  steps = loaded.privacy_ledger.steps
+  loaded.extend_privacy_plan(epochs=3)
+  loaded.fit(x, y, verbose=0)  # raw strings: fails where the reload lost the preprocessor
+  assert loaded.privacy_ledger.steps == loaded.privacy_plan.num_steps > steps
+
+  export_dir = export.export_private(loaded, str(tmp_path / "served"))
+  out = export.load_serving_fn(export_dir)(sentences=tf.constant(x[:5]))
+  logits = np.asarray(loaded(task.preprocessor(x[:5]), training=False))
+  np.testing.assert_allclose(out["logits"].numpy(), logits, rtol=1e-5, atol=1e-5)
+  with open(os.path.join(export_dir, "privacy_report.json"), encoding="utf-8") as f:
+    written = json.load(f)
+  assert written["steps"] == loaded.privacy_ledger.steps
+  assert written["epsilon"] == pytest.approx(loaded.privacy_report().epsilon, rel=1e-12)
+
+
+@pytest.mark.slow
 def test_the_docs_recipe_runs_as_written_on_a_tiny_preset(tmp_path, capsys):
   """docs/text_library_path.md's recipe block, executed: only the preset folder, the
   elided hyperparameters (``...``) and the sizes are replaced for a tiny BERT preset and
@@ -121,7 +151,9 @@ def test_the_docs_recipe_runs_as_written_on_a_tiny_preset(tmp_path, capsys):
   preset = fixtures.write_tiny_bert_preset(tmp_path / "preset")
   substitutions = {'"./my_minilm_preset"': repr(preset), "learning_rate=...": "learning_rate=0.1",
                    "regularizer=...": "regularizer=1.0", "batch_size=256": "batch_size=8",
-                   "epochs=3": "epochs=1"}
+                   "epochs=3": "epochs=1",
+                   '"private_task.keras"': repr(str(tmp_path / "private_task.keras")),
+                   '"served_task"': repr(str(tmp_path / "served_task"))}
   for old, new in substitutions.items():
     assert old in block, old  # the page still says what this test replaces
     block = block.replace(old, new)
@@ -132,3 +164,5 @@ def test_the_docs_recipe_runs_as_written_on_a_tiny_preset(tmp_path, capsys):
   assert private.privacy_ledger.steps > 0
   printed = capsys.readouterr().out
   assert "epsilon" in printed.lower() and "my_minilm_preset" in printed, printed[-2000:]
+  assert (tmp_path / "private_task.keras").exists()
+  assert (tmp_path / "served_task" / "privacy_report.json").exists()

@@ -135,6 +135,74 @@ def export_text_classifier(model, preprocessor, export_dir):
   return export_dir
 
 
+def export_private(model, export_dir, *, plan=None, **report_fields):
+  """Exports a ``make_private`` model for serving, with its ``privacy_report.json``.
+
+  The library path's counterpart of the launchers' exports. What the serving signature
+  ``serving_default`` takes:
+
+  * a keras-hub task whose preprocessor ``make_private`` kept (a ``.keras`` round trip keeps
+    it too): **raw strings** ``sentences`` tf.string ``[None]``, tokenized in the SavedModel
+    (a fresh process must ``import tensorflow_text`` before ``tf.saved_model.load``);
+  * any other functional model: its own inputs (a tensor or a dict of tensors, as
+    ``model.inputs``).
+
+  Outputs: ``{"logits", "probabilities", "class_ids"}`` for a classifier (outputs
+  ``[batch, classes]``), else ``{"outputs"}`` (e.g. a causal LM's per-token logits).
+  The file ``<export_dir>/privacy_report.json`` holds the claim of the steps the model's
+  ledger executed, what the epsilon does not cover and ``report_fields`` (e.g.
+  ``final_metrics={...}``, ``hyperparameters={...}``); the secret noise seed is neither in
+  the SavedModel (checked) nor in the report.
+
+  Args:
+    model: a private model (:func:`tf_dpnsgd.make_private`), trained or not.
+    export_dir: SavedModel directory to create (must not exist).
+    plan: the :class:`~tf_dpnsgd.plan.PrivacyPlan` of the explicit path; default the plan
+      the model owns.
+    **report_fields: :class:`~tf_dpnsgd.records.RunRecord` fields for the report.
+
+  Returns:
+    ``export_dir``.
+  """
+  if not isinstance(model, training._DPTrainer):
+    raise TypeError(f"export_private exports a private model (tf_dpnsgd.make_private); got "
+                    f"{type(model).__name__}. For a model trained without privacy use "
+                    "model.export(dir): it has no privacy report.")
+  report = plan.report(model) if plan is not None else model.privacy_report()
+  record = records.RunRecord.from_privacy_report(report, **report_fields)
+  training.ensure_called(model)
+  try:
+    outputs = model.outputs
+  except (AttributeError, ValueError):
+    outputs = None
+  if not outputs:
+    raise ValueError(f"Model {model.name!r} has no symbolic inputs and outputs (a subclassed "
+                     "model): export the model it wraps with export_image_classifier, "
+                     "export_text_classifier or keras' model.export, then write the report "
+                     "with write_privacy_report(dir, **RunRecord.from_privacy_report("
+                     "model.privacy_report()).to_dict()).")
+  classifier = len(outputs) == 1 and len(outputs[0].shape) == 2
+  preprocessor = getattr(model, "_dp_preprocessor", None)
+
+  def served(inputs):
+    out = model(inputs, training=False)
+    return classification_outputs(out) if classifier else {"outputs": out}
+
+  if preprocessor is not None:
+    preprocessor(tf.constant(["build"]))  # builds the tokenizer layers before tracking
+    fn = lambda sentences: served(preprocessor(sentences))  # noqa: E731
+    spec = tf.TensorSpec([None], tf.string, name="sentences")
+    tracked = [model, preprocessor]
+  else:
+    fn = served
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype, name=t.name),
+                                 model.input)
+    tracked = [model]
+  _write(export_dir, model, tracked, {SIGNATURE: (fn, spec)})
+  write_privacy_report(export_dir, **record.to_dict())
+  return export_dir
+
+
 def _write(export_dir, model, tracked, endpoints):
   export_dir = os.fspath(export_dir)
   if os.path.exists(export_dir):
@@ -340,6 +408,6 @@ def write_privacy_report(path, **fields):
 
 
 __all__ = ["check_no_optimizer_state", "check_no_rng_state", "classification_outputs",
-           "export_image_classifier", "rng_state_variables",
+           "export_image_classifier", "export_private", "rng_state_variables",
            "export_text_classifier", "exported_variable_names", "load_serving_fn",
            "package_versions", "serving_accuracy", "write_privacy_report"]

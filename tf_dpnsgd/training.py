@@ -467,7 +467,11 @@ class _DPTrainer:
             "public_state": list(self._dp_public_state),
             "privacy_plan": owned_plan_lib.plan_config(self._dp_plan or self._dp_owned_plan),
             "keep_per_example_mib": self._dp_keep_mib,
-            "length_key": self._dp_length_key}
+            "length_key": self._dp_length_key,
+            # A keras-hub task's preprocessor (make_private keeps it): saved in the config, its
+            # assets (a tokenizer's vocabulary) by Keras' attribute walk, so a reloaded model
+            # trains on raw strings again.
+            "preprocessor": _preprocessor_config(getattr(self, "_dp_preprocessor", None))}
 
   def _microbatches(self):
     """The model's ``num_microbatches``, else the optimizer's (deprecated keyword)."""
@@ -810,8 +814,10 @@ class DPModel(_DPTrainer, keras.Model):
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
     options = {k: config.pop(k) for k in cls._dp_keys if k in config}
+    preprocessor = config.pop("preprocessor", None)
     model = super().from_config(config, custom_objects=custom_objects)
     model._set_dp_options(**options)
+    _keep_preprocessor(model, preprocessor, custom_objects)
     return model
 
 
@@ -854,9 +860,24 @@ class PrivateModelWrapper(_DPTrainer, keras.Model):
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
+    preprocessor = config.pop("preprocessor", None)
     config["model"] = keras.saving.deserialize_keras_object(config["model"],
                                                           custom_objects=custom_objects)
-    return cls(**config)
+    model = cls(**config)
+    _keep_preprocessor(model, preprocessor, custom_objects)
+    return model
+
+
+def _preprocessor_config(preprocessor):
+  return None if preprocessor is None else keras.saving.serialize_keras_object(preprocessor)
+
+
+def _keep_preprocessor(private, config, custom_objects=None) -> None:
+  """Sets the private model's task preprocessor (None: none), off Keras' layer tracking: it
+  is not one of the model's layers (no weights to train, none in the weights file)."""
+  preprocessor = (None if config is None else
+                  keras.saving.deserialize_keras_object(config, custom_objects=custom_objects))
+  object.__setattr__(private, "_dp_preprocessor", preprocessor)
 
 
 def _build_correlated_optimizer(model) -> None:
@@ -1004,9 +1025,9 @@ def make_private(model: keras.Model, per_example="auto", physical_batch_size=Non
     logging.getLogger(__name__).info("make_private: wrapping subclassed model %s", model.name)
     private = PrivateModelWrapper(model, name=f"private_{model.name}", **options)
   # A keras-hub task's preprocessor: the owned plan's fit applies it before the sampler
-  # (owned_plan.preprocessed); kept off Keras' tracking (not saved with the model).
+  # (owned_plan.preprocessed); off Keras' layer tracking, saved in the config (.keras).
   task = any(c.__module__.startswith("keras_hub") and c.__name__ == "Task"
              for c in type(model).__mro__)
-  object.__setattr__(private, "_dp_preprocessor",
-                     getattr(model, "preprocessor", None) if task else None)
+  preprocessor = getattr(model, "preprocessor", None) if task else None
+  object.__setattr__(private, "_dp_preprocessor", preprocessor)
   return private
