@@ -1,6 +1,6 @@
 """``DPModel`` and ``make_private``: the train step that feeds DP optimizers.
 
-This module is long (about 850 lines): the Keras glue of the DP step (options, the owned
+This module is long (about 1050 lines): the Keras glue of the DP step (options, the owned
 plan, compile, fit under the guard, metrics, saving) and the two model classes share one
 mixin's state and are easier to check together; the step itself is :mod:`tf_dpnsgd.step`.
 
