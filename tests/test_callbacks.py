@@ -200,8 +200,34 @@ def test_progress_bar_shows_loss_metrics_epsilon_and_history_keeps_diagnostics(
   assert [line for line in lines if line.startswith("Epoch")] == [
       "Epoch 1/2", "Epoch 2/2 (partial: 4 of 8 steps)"]
   assert bars[-1].startswith("4/4 ")
+  first = [line for line in lines if line.startswith("first step ")]
+  assert len(first) == 1 and "peak RSS" in first[0], first  # one per fit, after its step 1
   assert {"grad_norm", "nonfinite_examples", "epsilon", "loss"} <= set(history.history)
   assert len(history.history["epsilon"]) == 2 and model.privacy_ledger.steps == 12
+
+
+def test_progress_bar_reports_the_first_step_of_each_fit_once_and_only_when_shown(capsys):
+  """Cost before commitment (issue 48): after a fit's first step, one line with its time
+  (from the fit's start: tracing and the first-batch checks) and the peak memory."""
+  from tf_dpnsgd.callbacks import ProgressBar
+  now = [100.0]
+  inp = keras.Input((3,))
+  model = keras.Model(inp, keras.layers.Dense(2)(inp))
+  for verbose, expected in ((1, 1), (0, 0), (1, 1)):  # a second fit reports its own
+    bar = ProgressBar(total_steps=3, clock=lambda: now[0])
+    bar.set_model(model)
+    bar.set_params({"verbose": verbose, "epochs": 1, "steps": 3})
+    capsys.readouterr()
+    bar.on_train_begin()
+    bar.on_epoch_begin(0)
+    for step in range(3):
+      now[0] += 86.04 if step == 0 else 31.2
+      bar.on_train_batch_end(step, {"loss": 0.5})
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "first step" in line]
+    assert len(lines) == expected, out
+    if expected:
+      assert "first step 86.0 s" in lines[0] and "peak RSS" in lines[0], lines
 
 
 def test_shown_drops_diagnostics_but_not_nonfinite_examples_that_happened():

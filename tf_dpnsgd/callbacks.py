@@ -245,6 +245,9 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     (``clipped_fraction`` with clipping, ``l2_norm_clip`` with adaptive clipping);
     the diagnostics in :data:`DIAGNOSTIC_KEYS` stay in ``history`` and TensorBoard
     but not on the bar (``nonfinite_examples`` is shown when it is not 0).
+  * After the first step of each ``fit``, one line: its time (tracing, compilation, the
+    first-batch checks) and the process' peak memory, the cost known before a long run
+    commits to its length (Keras' bar's ETA counts from the second step).
   * With ``total_steps`` (the plan's), an epoch that holds fewer steps than
     ``steps_per_epoch`` (a partial last epoch, or one cut by the budget) is
     labelled ``Epoch 3/3 (partial: 50 of 100 steps)`` and its bar counts to the
@@ -260,8 +263,10 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
 
   dp_observes_only = True  # displays; never changes training
 
-  def __init__(self, total_steps: Optional[int] = None):
+  def __init__(self, total_steps: Optional[int] = None, clock=None):
     super().__init__()
+    import time  # pylint: disable=g-import-not-at-top
+    self._clock = clock or time.perf_counter
     self.total_steps = None if total_steps is None else int(total_steps)
     self.steps_per_epoch = None
     self._steps_done = 0
@@ -277,6 +282,13 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     self._steps_done = ledger.steps if isinstance(ledger, ledger_lib.PrivacyLedger) else 0
     adaptive = getattr(getattr(self.model, "optimizer", None), "adaptive_clip", None)
     self._hidden = DIAGNOSTIC_KEYS | (frozenset() if adaptive is not None else {CLIP_KEY})
+    self._began, self._reported_first = self._clock(), False
+
+  def on_train_batch_end(self, batch, logs=None):
+    super().on_train_batch_end(batch, logs)
+    if self.verbose and not self._reported_first:
+      self._reported_first = True
+      io_utils.print_msg("\n" + first_step_text(self._clock() - self._began, peak_rss_gib()))
 
   def on_epoch_begin(self, epoch, logs=None):
     spe, partial = self.steps_per_epoch, False
@@ -378,6 +390,16 @@ class StepReporter(keras.callbacks.Callback):
     self._print("  ".join(parts))
 
 
+def first_step_text(seconds: float, peak_gib: float) -> str:
+  """The first-step line of :class:`ProgressBar`.
+
+  >>> first_step_text(86.04, 11.27)
+  'first step 86.0 s (tracing, compilation, first-batch checks; the ETA counts from step 2), peak RSS 11.3 GiB'
+  """
+  return (f"first step {seconds:.1f} s (tracing, compilation, first-batch checks; the ETA "
+          f"counts from step 2), peak RSS {peak_gib:.1f} GiB")
+
+
 def peak_rss_gib() -> float:
   """This process' peak resident memory so far, in GiB (Linux ``ru_maxrss``: KiB)."""
   import resource  # pylint: disable=g-import-not-at-top
@@ -416,6 +438,6 @@ def _nonzero(value) -> bool:
 
 
 __all__ = ["CLIP_KEY", "DIAGNOSTIC_KEYS", "EPSILON_KEY", "EXTEND_ADVICE", "PrivacyBudgetExceededError",
-           "StepReporter", "eta_text",
+           "StepReporter", "eta_text", "first_step_text",
            "PrivacyCallback", "ProgressBar", "shown", "steps_taken", "with_progress_bar",
            "write_scalar"]
