@@ -21,18 +21,21 @@ So after a save and a reload:
 * independent noise cannot continue a correlated model, nor the reverse: refused
   before the step, not only at the report.
 
-Tiny models (5 -> 4 -> 3), N = 64, B = 8, b = 2, 3 + 3 steps.
+Tiny models (5 -> 4 -> 3), N = 64, B = 8, b = 2, 3 + 3 steps. The matrix trains the first 3
+steps once per mechanism and kind and saves them on every path (``first_run``); each case
+reloads its path and continues. The dp-accounting oracles are memoized per step count.
 """
 
-import dp_accounting
+import functools
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import fixtures
+import matrix_fixtures
 import tf_dpnsgd
-from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.correlated import blt as bl
 from tf_dpnsgd.correlated import noise as cn
@@ -128,14 +131,17 @@ def _buffers(model):
 
 
 def _oracle_epsilon(steps, bands=BANDS):
-  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
-  if _blt() and bands == BANDS:  # one Gaussian mechanism, no amplification
+  return _oracle(_blt() and bands == BANDS, int(steps), bands)
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(blt, steps, bands):
+  """Memoized (a pure function; the tests ask for the same few step counts over and over):
+  dp-accounting's events, built here (tests/matrix_fixtures.py)."""
+  if blt:  # one Gaussian mechanism, no amplification
     sensitivity = st.sensitivity(BLT.matrix(steps), None, separation=BANDS)  # enumeration
-    acc.compose(dp_accounting.GaussianDpEvent(SIGMA / sensitivity))
-    return acc.get_epsilon(DELTA)
-  acc.compose(dp_accounting.PoissonSampledDpEvent(
-      bands * B / N, dp_accounting.GaussianDpEvent(SIGMA)), -(-steps // bands))
-  return acc.get_epsilon(DELTA)
+    return matrix_fixtures.gaussian_epsilon(SIGMA / sensitivity, DELTA)
+  return matrix_fixtures.poisson_epsilon(bands * B / N, -(-steps // bands), SIGMA, DELTA)
 
 
 def _assert_same(a, b):
@@ -195,16 +201,41 @@ MATRIX = [pytest.param(kind, path, marks=() if (kind, path) == ("sequential", "k
                        else pytest.mark.slow) for kind in KINDS for path in PATHS]
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+  """``first_run(kind)``: the model of ``kind`` trained FIRST steps and saved on EVERY path
+  of the matrix (trained once per mechanism and kind, on first use: the quick tier trains
+  one, not one per path): ``(folder, checkpoint, buffers, once)``; each case calls
+  ``once.resume_after_the_save()`` (tests/matrix_fixtures.py: this process's and machine's
+  record of the lineage as the save left it) and then loads and continues on its own."""
+  cache = {}
+
+  def get(kind):
+    key = (_NOISE["name"], kind)
+    if key not in cache:
+      once = matrix_fixtures.TrainedOnce(tmp_path_factory.mktemp(f"first_{key[0]}_{kind}"))
+      with once.training():
+        base = _build(kind)
+        first = _private(base)
+        _fit(first, FIRST)
+        saved = _buffers(first)
+        checkpoint = None
+        for path in PATHS:
+          checkpoint = _save(first, base, path, once.folder) or checkpoint
+      once.saved(first)
+      cache[key] = (once.folder, checkpoint, saved, once)
+    return cache[key]
+
+  return get
+
+
 @pytest.mark.parametrize("kind,path", MATRIX)
-def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(tmp_path, kind, path):
+def test_every_kind_and_save_path_continues_the_same_stream_or_refuses(first_run, kind, path):
   straight_weights, straight_buffers = _straight(kind)
-  base = _build(kind)
-  first = _private(base)
-  _fit(first, FIRST)
-  saved = _buffers(first)
+  folder, checkpoint, saved, once = first_run(kind)
   assert saved and all(np.any(v != 0) for k, v in saved.items() if _is_state(k))
-  checkpoint = _save(first, base, path, tmp_path)
-  loaded = _load(path, kind, tmp_path, checkpoint)
+  once.resume_after_the_save()
+  loaded = _load(path, kind, folder, checkpoint)
   ledger = ledger_lib.ledger_of(loaded)
   ledger.sync()
   assert ledger.steps == FIRST and ledger.noise_bands == _code()

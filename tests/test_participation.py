@@ -21,15 +21,14 @@ refused before any step runs. The adversarial cases feed batches that break the 
 
 from __future__ import annotations
 
-import dp_accounting
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import fixtures
+import matrix_fixtures
 import tf_dpnsgd
-from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd import participation
 from tf_dpnsgd import sampling as sampling_lib
@@ -104,6 +103,21 @@ def _data(n=N):
   return x, rng.integers(0, 3, n)
 
 
+class _Tap:
+  """The iterator a train function call consumes, keeping each batch it handed out (one
+  module-level class: a class made per call was cyclic garbage holding the batches)."""
+
+  def __init__(self, iterator):
+    self.taken, self.stream = [], iter(iterator)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.taken.append(next(self.stream))
+    return self.taken[-1]
+
+
 class Recorder:
   """The examples each executed step consumed, read from the batches themselves."""
 
@@ -123,18 +137,10 @@ class Recorder:
     model.make_train_function = make_recorded
 
   def run(self, inner, iterator):
-    taken, stream = [], iter(iterator)
-
-    class Tap:
-      def __iter__(self):
-        return self
-
-      def __next__(self):
-        taken.append(next(stream))
-        return taken[-1]
-
+    tap = _Tap(iterator)
+    taken = tap.taken
     first = ledger_lib.ledger_of(self.model).steps
-    out = inner(Tap())
+    out = inner(tap)
     for offset, batch in enumerate(taken):
       x, _, weights = keras.utils.unpack_x_y_sample_weight(batch)
       rows = np.asarray(x)[:, 0].astype(int)
@@ -154,10 +160,10 @@ class Recorder:
 
 
 def _poisson_epsilon(q, steps, sigma):
-  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
-  acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
-              steps)
-  return acc.get_epsilon(DELTA)
+  """dp-accounting's PoissonSampled(q, Gaussian(sigma)) composed ``steps`` times (built in
+  tests/matrix_fixtures.py from dp-accounting's events; memoized per distinct pattern: the
+  matrix's cases share a handful)."""
+  return matrix_fixtures.poisson_epsilon(float(q), int(steps), float(sigma), DELTA)
 
 
 def _assert_pattern_and_epsilon(model, recorder, sampling, bands=BANDS):
@@ -282,39 +288,65 @@ def _second_fit(model, x, y, perm, tmp_path):
   return model, lambda: model.fit(x[perm], y[perm], verbose=0)
 
 
-def _keras_file(model, x, y, perm, tmp_path):
-  _interrupted(model, x, y)
-  model.save(tmp_path / "m.keras")
-  loaded = keras.models.load_model(tmp_path / "m.keras")
-  return loaded, lambda: loaded.fit(x[perm], y[perm], verbose=0)
-
-
-def _weights_file(model, x, y, perm, tmp_path, mechanism="poisson"):
-  _interrupted(model, x, y)
-  model.save_weights(tmp_path / "m.weights.h5")
-  fresh = _private(*MECHANISMS[mechanism])
-  fresh.load_weights(tmp_path / "m.weights.h5")
-  return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
-
-
-def _tf_checkpoint(model, x, y, perm, tmp_path, mechanism="poisson"):
-  _interrupted(model, x, y)
-  path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
-  fresh = _private(*MECHANISMS[mechanism])
-  fresh.build((None, 5))
-  tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
-  return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
-
-
 def _backup_and_restore(model, x, y, perm, tmp_path):
   backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
   _interrupted(model, x, y, callbacks=[backup])
   return model, lambda: model.fit(x[perm], y[perm], verbose=0, callbacks=[backup])
 
 
-CONTINUATIONS = {"second_fit": _second_fit, "keras_file": _keras_file,
-                 "weights_file": _weights_file, "tf_checkpoint": _tf_checkpoint,
-                 "backup_and_restore": _backup_and_restore}
+# The file continuations start from the same interrupted run (step 11) of each mechanism,
+# saved on every file path ONCE (the fixture below); each case reloads and continues.
+def _keras_file(folder, checkpoint, x, y, perm, mechanism):
+  loaded = keras.models.load_model(folder / "m.keras")
+  return loaded, lambda: loaded.fit(x[perm], y[perm], verbose=0)
+
+
+def _weights_file(folder, checkpoint, x, y, perm, mechanism):
+  fresh = _private(*MECHANISMS[mechanism])
+  fresh.load_weights(folder / "m.weights.h5")
+  return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
+
+
+def _tf_checkpoint(folder, checkpoint, x, y, perm, mechanism):
+  fresh = _private(*MECHANISMS[mechanism])
+  fresh.build((None, 5))
+  tf.train.Checkpoint(model=fresh).restore(checkpoint).expect_partial()
+  return fresh, lambda: fresh.fit(x[perm], y[perm], verbose=0)
+
+
+IN_PLACE = {"second_fit": _second_fit, "backup_and_restore": _backup_and_restore}
+FROM_FILES = {"keras_file": _keras_file, "weights_file": _weights_file,
+              "tf_checkpoint": _tf_checkpoint}
+CONTINUATIONS = {**IN_PLACE, **FROM_FILES}
+
+
+@pytest.fixture(scope="module")
+def interrupted_and_saved(tmp_path_factory):
+  """``interrupted_and_saved(mechanism)``: ``(once, checkpoint, recorded)``: the mechanism's
+  model interrupted at step 11 and saved as ``m.keras``, ``m.weights.h5`` and a
+  ``tf.train.Checkpoint`` (once per mechanism, not once per file path), and the examples its
+  steps consumed (read by its :class:`Recorder`). Each case calls
+  ``once.resume_after_the_save()`` (tests/matrix_fixtures.py), then reloads and continues."""
+  cache = {}
+
+  def get(mechanism):
+    if mechanism not in cache:
+      once = matrix_fixtures.TrainedOnce(tmp_path_factory.mktemp(f"interrupted_{mechanism}"))
+      with once.training():
+        model = _private(*MECHANISMS[mechanism])
+        recorder = Recorder(model)
+        x, y = _data()
+        _interrupted(model, x, y)
+        model.save(once.folder / "m.keras")
+        model.save_weights(once.folder / "m.weights.h5")
+        checkpoint = tf.train.Checkpoint(model=model).save(str(once.folder / "ckpt"))
+      once.saved(model)
+      cache[mechanism] = (once, checkpoint, dict(recorder.steps))
+    return cache[mechanism]
+
+  return get
+
+
 # Continuations refused before any step, and why (every other pair must run):
 REFUSED = {
     # a reloaded make_private model draws a new sampler seed: a new partition / permutation
@@ -333,22 +365,26 @@ REFUSED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("continuation", sorted(CONTINUATIONS))
 @pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
-def test_participation_matrix(tmp_path, mechanism, continuation):
+def test_participation_matrix(tmp_path, interrupted_and_saved, mechanism, continuation):
   """Every sampler x every continuation on reordered data: the participation that ran (read
   from the batches) satisfies the accounting's assumption and the report's epsilon is the
   oracle's, or the continuation is refused before any step (nothing counted)."""
   sampling, noise = MECHANISMS[mechanism]
-  model = _private(sampling, noise)
-  recorder = Recorder(model)
   x, y = _data()
   perm = np.random.default_rng(2).permutation(N)
-  make = CONTINUATIONS[continuation]
-  extra = {"mechanism": mechanism} if continuation in ("weights_file", "tf_checkpoint") else {}
-  model, resume = make(model, x, y, perm, tmp_path, **extra)
-  if model is not recorder.model:  # a reloaded model: record it too, from the step it is at
-    before = recorder
+  if continuation in FROM_FILES:
+    once, checkpoint, recorded = interrupted_and_saved(mechanism)
+    once.resume_after_the_save()
+    model, resume = FROM_FILES[continuation](once.folder, checkpoint, x, y, perm, mechanism)
+    # A reloaded model: record it too, from the step it is at; the steps that ran before the
+    # save were recorded on the first model object.
     recorder = Recorder(model)
-    recorder.steps.update(before.steps)
+    recorder.steps.update(recorded)
+  else:
+    model = _private(sampling, noise)
+    recorder = Recorder(model)
+    model, resume = IN_PLACE[continuation](model, x, y, perm, tmp_path)
+    assert model is recorder.model
   steps = model.privacy_ledger.steps
   reason = REFUSED.get((mechanism, continuation))
   if reason is not None:

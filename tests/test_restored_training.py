@@ -19,6 +19,7 @@ import tf_dpnsgd
 from tf_dpnsgd import ledger as ledger_lib
 
 import fixtures
+import matrix_fixtures
 
 N, B, SEQ = 32, 8, 6
 
@@ -92,28 +93,42 @@ def _dense_model():
                            keras.layers.Dense(3)])
 
 
-def _trained_dense(tmp_path, freeze_first=False):
-  base = _dense_model()
-  model = tf_dpnsgd.make_private(base, noise_multiplier=1.0, delta=1e-5, batch_size=B,
-                                 epochs=2)
-  _compile(model)
-  x, y = fixtures.tiny_data(N)
-  with pytest.raises(Interrupt):
-    model.fit(x, y, verbose=0, callbacks=[StopAt(3)])
-  model.save(tmp_path / "m.keras")
-  return x, y
+@pytest.fixture(scope="module")
+def trained_dense_once(tmp_path_factory):
+  """The dense model trained 3 of its 8 steps and saved as ``m.keras``, ONCE for the module
+  (tests/matrix_fixtures.py); each test reloads the file after ``resume_after_the_save``."""
+  once = matrix_fixtures.TrainedOnce(tmp_path_factory.mktemp("dense"))
+  with once.training():
+    base = _dense_model()
+    model = tf_dpnsgd.make_private(base, noise_multiplier=1.0, delta=1e-5, batch_size=B,
+                                   epochs=2)
+    _compile(model)
+    x, y = fixtures.tiny_data(N)
+    with pytest.raises(Interrupt):
+      model.fit(x, y, verbose=0, callbacks=[StopAt(3)])
+    model.save(once.folder / "m.keras")
+  once.saved(model)
+  return once
 
 
-def test_a_reload_with_the_same_trainable_set_and_optimizer_continues(tmp_path):
-  x, y = _trained_dense(tmp_path)
-  loaded = keras.models.load_model(tmp_path / "m.keras")
+def _trained_dense(once):
+  """``(x, y, file)``: the data and the dense model's ``.keras`` file at step 3, this process
+  and machine as right after its save."""
+  once.resume_after_the_save()
+  return (*fixtures.tiny_data(N), once.folder / "m.keras")
+
+
+def test_a_reload_with_the_same_trainable_set_and_optimizer_continues(trained_dense_once):
+  x, y, path = _trained_dense(trained_dense_once)
+  loaded = keras.models.load_model(path)
   loaded.fit(x, y, verbose=0)
   assert loaded.privacy_ledger.steps == loaded.privacy_plan.num_steps
 
 
-def test_a_reload_whose_trainable_set_changed_is_refused_until_the_user_compiles(tmp_path):
-  x, y = _trained_dense(tmp_path)
-  loaded = keras.models.load_model(tmp_path / "m.keras")
+def test_a_reload_whose_trainable_set_changed_is_refused_until_the_user_compiles(
+    trained_dense_once):
+  x, y, path = _trained_dense(trained_dense_once)
+  loaded = keras.models.load_model(path)
   inner = [layer for layer in loaded._flatten_layers() if isinstance(layer, keras.layers.Dense)]
   inner[0].trainable = False  # e.g. a frozen layer that the saved steps trained
   with pytest.raises(ledger_lib.LedgerMismatchError, match="what trains changed"):
@@ -124,9 +139,9 @@ def test_a_reload_whose_trainable_set_changed_is_refused_until_the_user_compiles
   assert loaded.privacy_ledger.trained_signature[1] == 2  # only the last layer's kernel and bias
 
 
-def test_an_optimizer_state_keras_skipped_is_not_silently_restarted(tmp_path):
-  x, y = _trained_dense(tmp_path)
-  loaded = keras.models.load_model(tmp_path / "m.keras")
+def test_an_optimizer_state_keras_skipped_is_not_silently_restarted(trained_dense_once):
+  x, y, path = _trained_dense(trained_dense_once)
+  loaded = keras.models.load_model(path)
   loaded.optimizer.iterations.assign(0)  # what Keras leaves when it skips the saved state
   with pytest.raises(ledger_lib.LedgerMismatchError, match="optimizer's state was not"):
     loaded.fit(x, y, verbose=0)

@@ -21,15 +21,14 @@ Each kind is trained once per module (a few steps on tiny data); each path then 
 
 import os
 
-import dp_accounting
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import fixtures
+import matrix_fixtures
 import tf_dpnsgd
-from tf_dpnsgd import accounting
 from tf_dpnsgd import ledger as ledger_lib
 from tf_dpnsgd.callbacks import PrivacyBudgetExceededError
 
@@ -60,10 +59,10 @@ def _private(base, optimizer="dpnsgd"):
 
 
 def _oracle_epsilon(steps, sigma):
-  acc = dp_accounting.rdp.RdpAccountant(list(accounting.DEFAULT_ORDERS))
-  acc.compose(dp_accounting.PoissonSampledDpEvent(
-      B / N, dp_accounting.GaussianDpEvent(sigma)), steps)
-  return acc.get_epsilon(DELTA)
+  """dp-accounting's PoissonSampled(B/N, Gaussian(sigma)) composed ``steps`` times (built in
+  tests/matrix_fixtures.py from dp-accounting's events; memoized: the matrix asks for the same
+  one or two step counts in every case)."""
+  return matrix_fixtures.poisson_epsilon(B / N, int(steps), float(sigma), DELTA)
 
 
 @pytest.fixture(scope="module")
