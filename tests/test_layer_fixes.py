@@ -67,3 +67,27 @@ def test_fix_layers_refuses_subclassed_models():
 
   with pytest.raises(TypeError, match="subclassed.*GroupNormalization"):
     tf_dpnsgd.fix_layers(Net())
+
+
+def test_fix_layers_keeps_ops_called_in_the_model_and_copies_the_layers_weights():
+  """keras-hub's ResNetV2 (``use_pre_activation=True``) calls ``keras.ops.pad`` in its graph:
+  an operation, not a layer, with no weights. fix_layers crashed on it (``'Pad' object has
+  no attribute 'get_weights'``); the op is now cloned and the layers' weights copied."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((6, 6, 3))
+  h = keras.ops.pad(inputs, [[0, 0], [1, 1], [1, 1], [0, 0]])
+  h = keras.layers.Conv2D(8, 3, name="conv")(h)
+  h = keras.layers.BatchNormalization(name="bn")(h)
+  model = keras.Model(inputs, keras.layers.Dense(2, name="head")(
+      keras.layers.GlobalAveragePooling2D()(h)))
+  fixed, changes = tf_dpnsgd.fix_layers(model)
+  assert changes == [("bn", "BatchNormalization", "GroupNormalization(groups=8)")]
+  assert fixed.output.shape == model.output.shape
+  for name in ("conv", "head"):
+    for a, b in zip(fixed.get_layer(name).get_weights(), model.get_layer(name).get_weights()):
+      np.testing.assert_array_equal(a, b)
+  x = np.random.default_rng(0).normal(size=(2, 6, 6, 3)).astype("float32")
+  padded = np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)])  # the op still pads: conv sees 8x8
+  conv = keras.Model(fixed.input, fixed.get_layer("conv").output)
+  np.testing.assert_allclose(conv(x).numpy(), model.get_layer("conv")(padded).numpy(),
+                             rtol=1e-5, atol=1e-6)

@@ -107,7 +107,8 @@ def fix_layers(model: keras.Model) -> tuple:
                                  f"GroupNormalization(groups={new.groups})"))
       return new
     new = layer.__class__.from_config(layer.get_config())
-    copies.append((layer, new))
+    if isinstance(layer, keras.layers.Layer):  # not an op called in a model (keras.ops.pad)
+      copies.append((layer, new))
     return new
 
   def call(layer, *args, **kwargs):

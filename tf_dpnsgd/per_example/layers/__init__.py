@@ -20,6 +20,8 @@ layer type                                     module             per-example no
 ``keras.layers.ReversibleEmbedding`` (also     :mod:`.embedding`  lookup rows, reverse projection,
 keras-hub's)                                                      tied weights (exact cross term)
 ``keras_hub.layers.PositionEmbedding``         :mod:`.embedding`  the rows of the used positions
+keras-hub ``RelativeEmbedding``                :mod:`.embedding`  table (materialised: each example's
+(``DebertaV3Backbone``)                                           repeated copy), its norm's gamma, beta
 ``keras.layers.LayerNormalization``            :mod:`.normalization`  gamma, beta (materialised)
 ``keras.layers.GroupNormalization``            :mod:`.normalization`  gamma, beta (materialised)
 ``keras.layers.RMSNormalization`` (also        :mod:`.normalization`  scale (materialised); Gemma's

@@ -13,6 +13,13 @@
 * ``keras_hub.layers.PositionEmbedding``: the layer's ``call`` runs unchanged;
   the output gradient is scattered into the rows of the positions used
   (``start_index + arange(T)``, or the ``positions`` argument).
+* keras-hub's DeBERTa-V3 ``RelativeEmbedding``: ``out = repeat(LN(E[None]), B)``,
+  the same table ``E`` (``[2 k, d]``, no ids) layer-normalized and repeated
+  for every example. The rule repeats ``E`` first and normalizes the
+  ``[B, 2 k, d]`` copy with the ``LayerNormalization`` rule (the same
+  per-row computation, so the same output); example ``i``'s table gradient is
+  the gradient of its copy (probed, :class:`~..factored.Materialized`), and
+  the norm's gamma and beta come from the ``LayerNormalization`` rule.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from keras import ops
 
 from tf_dpnsgd.per_example import factored
 from tf_dpnsgd.per_example import registry as registry_lib
+from tf_dpnsgd.per_example.layers import normalization
 
 
 def _flat_rows(ids, grads):
@@ -170,6 +178,54 @@ def _position_capture(layer, call, args, kwargs, probe):
 POSITION_EMBEDDING_RULE = registry_lib.LayerRule(variables=_position_variables,
                                                  capture=_position_capture)
 
+
+# --- keras-hub RelativeEmbedding (DeBERTa-V3) --------------------------------
+
+#: keras-hub's class, by qualified name (keras-hub does not export it).
+RELATIVE_EMBEDDING = "keras_hub.src.models.deberta_v3.relative_embedding.RelativeEmbedding"
+
+
+def _relative_variables(layer):
+  return [layer.rel_embeddings] + normalization.LAYER_NORM_RULE.variables(layer.layer_norm)
+
+
+def _relative_unsupported(layer):
+  why = registry_lib.common_unsupported(layer)
+  if why:
+    return why
+  if type(layer.layer_norm) is not keras.layers.LayerNormalization:
+    return (f"its norm is a {type(layer.layer_norm).__name__} (the rule expects "
+            "LayerNormalization)")
+  return registry_lib.common_unsupported(layer.layer_norm)
+
+
+def _relative_capture(layer, call, args, kwargs, probe):
+  """``RelativeEmbedding.call`` with the repeat before the norm: each example's own copy."""
+  inputs = registry_lib.bind_call_arguments(call, args, kwargs)["inputs"]
+  table = ops.expand_dims(ops.convert_to_tensor(layer.rel_embeddings), axis=0)
+  copies = probe(ops.repeat(table, repeats=ops.shape(inputs)[0], axis=0))  # [B, 2k, d]
+  norm = layer.layer_norm
+  norm_probes = []
+
+  def norm_probe(t):
+    norm_probes.append(t)
+    return probe(t)
+
+  outputs, norm_finish = normalization.LAYER_NORM_RULE.capture(norm, norm.call, (copies,), {},
+                                                               norm_probe)
+
+  def finish(grads):
+    table_grad = tf.cast(grads[0], tf.float32)
+    return ([(layer.rel_embeddings, factored.Materialized(table_grad))]
+            + list(norm_finish(grads[1:1 + len(norm_probes)])))
+
+  return outputs, finish
+
+
+RELATIVE_EMBEDDING_RULE = registry_lib.LayerRule(variables=_relative_variables,
+                                                 capture=_relative_capture,
+                                                 unsupported=_relative_unsupported)
+
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.Embedding, EMBEDDING_RULE)
 registry_lib.DEFAULT_REGISTRY.register(keras.layers.ReversibleEmbedding, REVERSIBLE_EMBEDDING_RULE)
 # keras-hub types by name: no import of keras_hub is needed to register them.
@@ -178,3 +234,4 @@ registry_lib.DEFAULT_REGISTRY.register(
     REVERSIBLE_EMBEDDING_RULE)
 registry_lib.DEFAULT_REGISTRY.register(
     "keras_hub.src.layers.modeling.position_embedding.PositionEmbedding", POSITION_EMBEDDING_RULE)
+registry_lib.DEFAULT_REGISTRY.register(RELATIVE_EMBEDDING, RELATIVE_EMBEDDING_RULE)
