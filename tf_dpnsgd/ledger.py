@@ -436,7 +436,9 @@ class PrivacyLedger(keras.layers.Layer):
   def release_noise_multipliers(self) -> tuple:
     """The noise multiplier of each release, in the order they ran (one Gaussian
     mechanism each on the whole training set, sensitivity-normalized)."""
-    return tuple(release_list(self.state()))
+    # The two entries release_list reads, not the whole state (read before every step).
+    return tuple(release_list({"releases": self.releases,
+                               RELEASE_FIELD: self._vars[RELEASE_FIELD].numpy()}))
 
   def release_events(self) -> list:
     """The dp-accounting events of the releases (what the accountant composes)."""
@@ -457,11 +459,11 @@ class PrivacyLedger(keras.layers.Layer):
     """What quantile-adaptive clipping's steps released (None if no step used it):
     ``steps``, ``min_clipped_count_stddev``, ``l2_norm_clip`` (now), ``initial_l2_norm_clip``,
     ``target_unclipped_quantile``, ``clip_learning_rate``."""
-    state = self.state()
-    if not state["adaptive_steps"]:
+    steps = int(self._vars["adaptive_steps"].numpy())  # the only read when none ran
+    if not steps:
       return None
-    return dict({name: state[name] for name in ADAPTIVE_FIELDS[1:]},
-                steps=state["adaptive_steps"])
+    return dict({name: float(self._vars[name].numpy()) for name in ADAPTIVE_FIELDS[1:]},
+                steps=steps)
 
   def to_dict(self) -> dict:
     """The public entries (no seed, no key; the seed hash is left out too)."""

@@ -398,10 +398,15 @@ class Sampler:
     period = self.tag_period
     identities = tf.constant(population.identities, tf.int64)
 
+    # Traced by tf.data on every call (every fit) without AutoGraph: their Python control
+    # flow is on static values only (a tensor in an `if` would raise while tracing, never
+    # change the graph), and AutoGraph's conversion cost about a third of the trace.
+    @tf.autograph.experimental.do_not_convert
     def gather(step, idx, mask):
       return (step, idx, mask, tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t),
               tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t))
 
+    @tf.autograph.experimental.do_not_convert
     def tag(step, idx, mask, xb, yb):
       tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
               ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
@@ -423,7 +428,8 @@ class Sampler:
     else:
       batches = augmentation_lib.per_example_batches(
           indices, x_t, y_t, rows, aug, augmentation_lib.augmentation_key(self.seed))
-    return batches.map(tag, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
+    batches = batches.map(tag, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
+    return batches if aug is not None else without_autotune(batches)  # augment: AUTOTUNE
 
   @property
   def _rows_per_element(self) -> int:
@@ -492,6 +498,21 @@ class Sampler:
   def denominator(self) -> float:
     """What the noised sum is divided by: ``B`` (``qN`` for Poisson)."""
     return float(self.batch_size)
+
+
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """``dataset`` with tf.data's autotuning off (the same elements in the same order).
+
+  For a sampler's pipeline whose parallelism and buffers are all fixed (one map call at a
+  time, ``prefetch`` elements): there is nothing to tune, but with autotuning on, dropping
+  its iterator at the end of every ``fit`` waited for tf.data's autotuning thread (0.1 s
+  to 4 s on 2 shared cores, at ~4 ms of CPU; ~1 ms with it off: benchmarks/fit_fixed_cost.py). A
+  stage with ``tf.data.AUTOTUNE`` chained after it runs at tf.data's default parallelism
+  unless the caller turns autotuning on again (``with_options``).
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.with_options(options)
 
 
 #: Steps whose indices one call of the dataset's Python generator draws (fewer Python

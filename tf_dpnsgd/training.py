@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 import weakref
 
 import keras
@@ -213,6 +214,48 @@ def _release_iterators(epoch_iterators) -> None:
     reset = getattr(iterator, "reset", None)
     if callable(reset):
       reset()
+
+
+def build_compiled_metrics(model, data) -> None:
+  """Builds ``model``'s compiled metrics (Keras' ``metrics=``) from one batch's shapes.
+
+  Without a ``tf.distribute`` strategy Keras builds them, creating their variables, while it
+  traces the first train step, and a ``tf.function`` whose first trace creates variables is
+  traced a second time: the whole DP step twice in every first ``fit`` (under a strategy
+  Keras builds them before, from the first batch). Built here from the shapes and dtypes of
+  ``(x, y)`` as symbolic tensors and the model's symbolic output: no value is read, nothing
+  runs on the data. Anything unexpected (no labels, distributed values, a warning or an
+  error from the symbolic pass) leaves them to Keras' build while tracing, as before.
+  """
+  compiled = getattr(model, "_compile_metrics", None)
+  if compiled is None or compiled.built:
+    return
+  x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+  if y is None:
+    return
+
+  def spec(t):
+    if not (tf.is_tensor(t) or isinstance(t, np.ndarray)) or isinstance(t, tf.RaggedTensor):
+      raise TypeError(f"not a dense tensor: {type(t).__name__}")
+    return keras.KerasTensor((None,) + tuple(t.shape)[1:], dtype=tf.as_dtype(t.dtype).name)
+
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      y_pred = model.compute_output_spec(tf.nest.map_structure(spec, x), training=False)
+      compiled.build(tf.nest.map_structure(spec, y), y_pred)
+  except Exception:  # pylint: disable=broad-except
+    return  # Keras builds them while tracing (the step is then traced twice)
+
+
+def _metrics_built_first(model, main):
+  """Keras' train function ``main`` (called by the guard with the call's batches), building
+  the compiled metrics before its first call traces the step (:func:`build_compiled_metrics`)."""
+  def function(batches):
+    build_compiled_metrics(model, batches[0])
+    return main(batches)
+
+  return function
 
 
 def ensure_called(model) -> None:
@@ -587,7 +630,7 @@ class _DPTrainer:
         self.privacy_ledger.adopt_lineage(
             distribution.broadcast_int(self.distribute_strategy, self.privacy_ledger.lineage))
       super().make_train_function(force=True)
-      self.train_function = guard_lib.wrap(self, self.train_function)
+      self.train_function = guard_lib.wrap(self, _metrics_built_first(self, self.train_function))
     return self.train_function
 
   def fit(self, *args, **kwargs):

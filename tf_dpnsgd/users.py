@@ -459,8 +459,8 @@ class UserPoissonSampler:
       tags[ledger_lib.DP_USER_KEY] = users
       return xb, yb, tags
 
-    return indices.map(gather_and_tag, num_parallel_calls=1,
-                       deterministic=True).prefetch(prefetch)
+    return sampling_lib.without_autotune(indices.map(
+        gather_and_tag, num_parallel_calls=1, deterministic=True).prefetch(prefetch))
 
 
 # --- host checks (tf_dpnsgd.guard) --------------------------------------------------
