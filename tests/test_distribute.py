@@ -26,42 +26,61 @@ SCRIPT = textwrap.dedent("""
     import keras, numpy as np, tf_dpnsgd
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 5)).astype("float32"); y = rng.integers(0, 2, 16).astype("int32")
-    def build():
-      keras.utils.set_random_seed(0)
-      inp = keras.Input((5,)); m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
-      m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.5, l2_norm_clip=0.3,
-                                          noise_multiplier=float(sys.argv[1]), seed=1,
-                                          **json.loads(sys.argv[2])),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-      return m
-    single = build(); single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-      multi = build()
-    multi.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), multi.get_weights()))
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), build().get_weights()))
-    clips = [float(getattr(m.optimizer, "current_l2_norm_clip", 0.3)) for m in (single, multi)]
-    print("RESULT", strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps, *clips)
+    strategy = None
+    for case, (noise, kwargs) in enumerate(json.loads(sys.argv[1])):
+      def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((5,)); m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(inp))
+        m.compile(optimizer=tf_dpnsgd.DPSGD(learning_rate=0.5, l2_norm_clip=0.3,
+                                            noise_multiplier=float(noise), seed=1, **kwargs),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+      single = build(); single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+      strategy = strategy or tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+      with strategy.scope():
+        multi = build()
+      multi.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+      diff = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), multi.get_weights()))
+      moved = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), build().get_weights()))
+      clips = [float(getattr(m.optimizer, "current_l2_norm_clip", 0.3)) for m in (single, multi)]
+      print("RESULT", case, strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps,
+            *clips, flush=True)
 """)
 
 
-def run_mirrored(noise: float, **optimizer_kwargs) -> dict:
-  """Runs SCRIPT (DPSGD on 1 device vs MirroredStrategy on 2; extra DPSGD kwargs) and
-  returns its RESULT line: replicas, max weight difference, how far training moved the
-  weights, ledger steps, and the final clip of the single and the mirrored run."""
-  out = subprocess.run([sys.executable, "-c", SCRIPT, str(noise), json.dumps(optimizer_kwargs)],
-                       capture_output=True, text=True, timeout=300)
-  line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
-  assert line, out.stderr[-3000:]
+def run_mirrored_cases(cases) -> list:
+  """Runs SCRIPT once for several ``(noise, DPSGD kwargs)`` cases (DPSGD on 1 device vs
+  MirroredStrategy on 2, each case from the same seeds, one after the other in one process:
+  TensorFlow is imported once) and returns one RESULT dict per case, in order: replicas, max
+  weight difference, how far training moved the weights, ledger steps, and the final clip of
+  the single and the mirrored run."""
+  out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(
+      [[noise, kwargs] for noise, kwargs in cases])], capture_output=True, text=True, timeout=300)
+  lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
+  assert [int(l[0]) for l in lines] == list(range(len(cases))), out.stderr[-3000:]
   keys = ("replicas", "diff", "moved", "steps", "clip_single", "clip_multi")
-  return {k: float(v) for k, v in zip(keys, line[0].split()[1:])}
+  return [{k: float(v) for k, v in zip(keys, l[1:])} for l in lines]
+
+
+def run_mirrored(noise: float, **optimizer_kwargs) -> dict:
+  """Runs SCRIPT for one case (DPSGD with ``noise_multiplier=noise`` and the extra DPSGD
+  kwargs): see :func:`run_mirrored_cases`."""
+  return run_mirrored_cases([(noise, optimizer_kwargs)])[0]
+
+
+NOISES = (0.0, 2.0)
+
+
+@pytest.fixture(scope="module")
+def mirrored_by_noise():
+  """Both noise levels of the test below from one subprocess (was one process each)."""
+  return dict(zip(NOISES, run_mirrored_cases([(noise, {}) for noise in NOISES])))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("noise", [0.0, 2.0])
-def test_mirrored_strategy_matches_single_device(noise):
-  r = run_mirrored(noise)
+@pytest.mark.parametrize("noise", NOISES)
+def test_mirrored_strategy_matches_single_device(noise, mirrored_by_noise):
+  r = mirrored_by_noise[noise]
   assert r["replicas"] == 2
   assert r["moved"] > 1e-3  # training changed the weights
   assert r["diff"] < 1e-6  # ... identically on 1 and 2 replicas
