@@ -9,27 +9,11 @@ import numpy as np
 import pytest
 
 import fixtures
-from launch_each import launch_each
+from launch_each import checked
+from launch_each import launch_once
+from launch_each import shared_dir
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
-
-
-def launch(module, *args, check=True, prelude=None):
-  if prelude:
-    code = (f"{prelude}\nimport sys\nfrom absl import app\nfrom {module} import main\n"
-            f"sys.argv = ['x'] + {list(args)!r}\n{prelude_enter(prelude)}")
-    cmd = [sys.executable, "-c", code]
-  else:
-    cmd = [sys.executable, "-m", module, *args]
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-  if check and out.returncode != 0:
-    raise AssertionError(f"{module} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-  return out
-
-
-def prelude_enter(prelude):
-  return ("with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):\n"
-          "  app.run(main)\n")
 
 
 def report(model_dir):
@@ -37,12 +21,86 @@ def report(model_dir):
     return json.load(f)
 
 
+def named_runs(tmp_path_factory, name, module, runs_of, prepare=None):
+  """A group of launches of ``module`` run in one process, once per pytest session even under
+  xdist (``tests/launch_each.py``): ``runs_of(folder)`` gives ``[(run name, run)]`` (no side
+  effects), ``prepare(folder)`` writes the data they need. Returns ``(folder, {run name:
+  result})``; the tests only read the runs' files under ``folder``."""
+  named = runs_of(shared_dir(tmp_path_factory, name)[0])
+  names = [n for n, _ in named]
+  assert len(set(names)) == len(names), names
+
+  def make_runs(folder):
+    if prepare:
+      prepare(folder)
+    return [r for _, r in named]
+
+  folder, results = launch_once(tmp_path_factory, name, module, make_runs, env=ENV)
+  return folder, dict(zip(names, results))
+
+
+def run_of(runs, name):
+  """The named run's result, checked to have exited 0 (``launch(..., check=True)``)."""
+  return checked(runs[name], f"run {name!r}")
+
+
+# --- the quickstart launcher: every launch of this module in ONE process ------------------
+BAD_QUICKSTART_FLAGS = [
+    (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "only one of --noise_multiplier"),
+    (["--optimizer=sgd", "--noise_multiplier=1.0"], "--optimizer=sgd trains without privacy"),
+    (["--batch_size=5000"], "larger than the training set"),
+    (["--regularizer=0"], "--regularizer must be > 0"),
+]
+
+
+def _quickstart_runs_of(f):
+  """Each test's launches, in the order each test made them (a test's later launch may
+  continue an earlier one's --model_dir, as its separate processes did)."""
+  qs_report = lambda d: [f"{f}/{d}/privacy_report.json"]  # noqa: E731
+  return [
+      ("end_to_end", ["--epochs=2", f"--model_dir={f}/e2e/run", f"--export_dir={f}/e2e/export"]),
+      *[(f"bad_flags[{m}]", ["--epochs=1", *args]) for args, m in BAD_QUICKSTART_FLAGS],
+      ("existing_export", ["--epochs=1", f"--model_dir={f}/exists/run",
+                           f"--export_dir={f}/exists/export"]),
+      *[(f"sigma_alone[{i}]", ["--noise_multiplier=1.2", "--max_steps=3",
+                               f"--model_dir={f}/sigma/run{i}"]) for i in range(2)],
+      ("sigma_sgd", ["--optimizer=sgd", "--learning_rate=0.5", "--max_steps=3",
+                     f"--model_dir={f}/sigma/sgd"]),
+      # test_shuffle_run_refuses_to_resume_mid_epoch: 11 steps per epoch
+      ("shuffle_first", ["--sampling=shuffle", "--epochs=1", f"--model_dir={f}/shuffle/run",
+                         "--max_steps=2"]),
+      ("shuffle_resume", ["--sampling=shuffle", "--epochs=1", f"--model_dir={f}/shuffle/run",
+                          "--max_steps=4"]),
+      # test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back
+      ("baseline_sgd", {"argv": ["--optimizer=sgd", "--learning_rate=0.5", "--max_steps=3",
+                                 f"--model_dir={f}/issue30/sgd"], "read": qs_report("issue30/sgd")}),
+      ("dp_over_sgd", {"argv": ["--max_steps=3", f"--model_dir={f}/issue30/sgd"],
+                       "read": qs_report("issue30/sgd")}),
+      ("baseline_dp", ["--max_steps=2", f"--model_dir={f}/issue30/dp"]),
+      ("sgd_over_dp", {"argv": ["--optimizer=sgd", "--max_steps=3", f"--model_dir={f}/issue30/dp"],
+                       "read": qs_report("issue30/dp")}),
+  ]
+
+
+def _quickstart_prepare(f):
+  (f / "exists" / "export").mkdir(parents=True)  # test_existing_export_dir_fails_before_training
+
+
+@pytest.fixture(scope="module")
+def quickstart_runs(tmp_path_factory):
+  """Every quickstart launch of this module, in one process (tests/launch_each.py): one
+  TensorFlow import instead of 15."""
+  return named_runs(tmp_path_factory, "test_launch_quickstart", "tf_dpnsgd.launch.quickstart",
+                    _quickstart_runs_of, _quickstart_prepare)
+
+
 @pytest.mark.slow
-def test_quickstart_end_to_end(tmp_path):
-  out = launch("tf_dpnsgd.launch.quickstart", "--epochs=3", f"--model_dir={tmp_path}/run",
-               f"--export_dir={tmp_path}/export")
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_quickstart_end_to_end(quickstart_runs):
+  f, runs = quickstart_runs
+  out = run_of(runs, "end_to_end")
   assert "epsilon" in out.stdout and "final test accuracy" in out.stdout
-  rep = report(tmp_path / "run")
+  rep = report(f / "e2e" / "run")
   assert rep["private"] and 0 < rep["epsilon"] <= 4.0 + 1e-6 and rep["delta"] == 1e-5
   assert rep["sampling"] == "poisson" and rep["accountant"] == "rdp"
   assert {"tensorflow", "keras", "dp_accounting"} <= set(rep["versions"])
@@ -50,34 +108,84 @@ def test_quickstart_end_to_end(tmp_path):
   import tensorflow as tf
   from tf_dpnsgd.data import digits
   _, (x_test, y_test) = digits.load_digits(test_fraction=0.2, seed=0)
-  serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+  serve = tf.saved_model.load(str(f / "e2e" / "export")).signatures["serving_default"]
   pred = serve(images=tf.constant(x_test * 16.0))["class_ids"].numpy()
   assert np.mean(pred == y_test) == pytest.approx(rep["final_metrics"]["accuracy"], abs=1e-6)
 
 
+# --- the CIFAR-10 launcher: every launch of this module in ONE process --------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER_CONFIGS = ["configs/cifar10/dpsgd_eps2_cyclic.flags"]
+
+
+def _config_files(sub):
+  return sorted(os.listdir(os.path.join(ROOT, "configs", sub)))
+
+
+def _parse_configs(sub):
+  """Each config file parsed on its own by the launcher's flags (no training)."""
+  return [(f"config[{sub}/{name}]",
+           {"argv": [f"--flagfile={os.path.join(ROOT, 'configs', sub, name)}"], "parse_only": True})
+          for name in _config_files(sub)]
+
+
+def _cifar10_runs_of(f):
+  pickles = [f"--data_dir={f}/pickles/data", "--batch_size=20", "--physical_batch_size=10",
+             "--epochs=2", "--seed=0", f"--model_dir={f}/pickles/run", "--groups=4",
+             "--resnet_depth=8"]  # ResNet8-GN: the same launcher path, a third of the layers
+  return [
+      ("pickles_first", {"argv": [*pickles, "--max_steps=2", f"--export_dir={f}/pickles/export"],
+                         "read": [f"{f}/pickles/run/privacy_report.json"]}),
+      # A rerun continues from the checkpoint.
+      ("pickles_resume", [*pickles, "--max_steps=4"]),
+      ("missing_data", [f"--data_dir={f}/missing", "--max_steps=1"]),
+      *[(f"paper_config[{config}]",
+         [f"--flagfile={os.path.join(ROOT, config)}", f"--data_dir={f}/paper/data",
+          "--batch_size=20", "--physical_batch_size=10", "--max_steps=1", "--epochs=2",
+          "--groups=4", "--resnet_depth=8", f"--model_dir={f}/paper/{i}/run"])
+        for i, config in enumerate(PAPER_CONFIGS)],
+      ("tfds_mock", {"argv": ["--batch_size=8", "--physical_batch_size=8", "--max_steps=1",
+                              "--epochs=1", "--seed=0", f"--model_dir={f}/tfds", "--groups=4",
+                              "--resnet_depth=8"],
+                     "prelude": "import tensorflow_datasets as tfds",
+                     "context": "tfds.testing.mock_data(num_examples=24, "
+                                "policy=tfds.testing.MockPolicy.USE_CODE)"}),
+      *_parse_configs("cifar10"),
+  ]
+
+
+def _cifar10_prepare(f):
+  fixtures.write_cifar10_batches(f / "pickles" / "data", images_per_batch=20)
+  fixtures.write_cifar10_batches(f / "paper" / "data", images_per_batch=20)
+  (f / "missing").mkdir()
+
+
+@pytest.fixture(scope="module")
+def cifar10_runs(tmp_path_factory):
+  """Every CIFAR-10 launch of this module, in one process (tests/launch_each.py)."""
+  return named_runs(tmp_path_factory, "test_launch_cifar10", "tf_dpnsgd.launch.cifar10",
+                    _cifar10_runs_of, _cifar10_prepare)
+
+
 @pytest.mark.slow
-def test_cifar10_local_pickles_export_and_resume(tmp_path):
-  data = fixtures.write_cifar10_batches(tmp_path / "data", images_per_batch=20)
-  del data
-  run = tmp_path / "run"
-  common = [f"--data_dir={tmp_path}/data", "--batch_size=20", "--physical_batch_size=10",
-            "--epochs=2", "--seed=0", f"--model_dir={run}", "--groups=4",
-            "--resnet_depth=8"]  # ResNet8-GN: the same launcher path, a third of the layers
-  launch("tf_dpnsgd.launch.cifar10", *common, "--max_steps=2", f"--export_dir={tmp_path}/export")
-  first = report(run)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_cifar10_local_pickles_export_and_resume(cifar10_runs):
+  f, runs = cifar10_runs
+  run = f / "pickles" / "run"
+  first = json.loads(run_of(runs, "pickles_first").files[str(run / "privacy_report.json")])
   assert first["steps"] == 2 and first["resnet_depth"] == 8
   # A rerun continues from the checkpoint: the report covers all 4 steps.
-  launch("tf_dpnsgd.launch.cifar10", *common, "--max_steps=4")
+  run_of(runs, "pickles_resume")
   second = report(run)
   assert second["steps"] == 4 and second["epsilon"] > first["epsilon"]
-  with open(run / "history.json") as f:
-    assert json.load(f)["steps"] == [2.0, 4.0]
+  with open(run / "history.json") as f_:
+    assert json.load(f_)["steps"] == [2.0, 4.0]
   assert os.listdir(run / "tensorboard")
   # The export takes raw 0-255 images and agrees with the reported accuracy.
   import tensorflow as tf
   from tf_dpnsgd.data import cifar10
-  _, (x_test, y_test) = cifar10.load_cifar10(str(tmp_path / "data"))
-  serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+  _, (x_test, y_test) = cifar10.load_cifar10(str(f / "pickles" / "data"))
+  serve = tf.saved_model.load(str(f / "pickles" / "export")).signatures["serving_default"]
   out = serve(images=tf.constant(x_test.astype("float32")))
   assert out["probabilities"].shape == (len(y_test), 10)
   assert np.mean(out["class_ids"].numpy() == y_test) == pytest.approx(
@@ -99,16 +207,56 @@ def _tiny_sst2(tmp_path):
   return preset
 
 
+# --- the SST-2 launcher: every launch of this module in ONE process ------------------------
+BAD_SST2_FLAGS = [
+    (["--cache_frozen_layers"], "--cache_frozen_layers needs --trainable_layers"),
+    (["--cache_frozen_layers", "--trainable_layers=1"], "--pooling=mean"),
+    (["--optimizer=adam", "--target_epsilon=2"], "trains without privacy"),
+    (["--feature_cache_dir=/tmp/unused"], "--feature_cache_dir keeps"),
+]
+
+
+def _sst2_runs_of(f):
+  """One tiny preset and GLUE folder (``_tiny_sst2``) for every run that trains."""
+  preset = str(f / "preset")
+  data = [f"--preset={preset}", f"--data_dir={f}/glue", "--batch_size=8",
+          "--physical_batch_size=4", "--sequence_length=16"]
+  return [
+      # 48 sentences, batch 8: 6 steps an epoch; 3 run
+      ("local_tsv", [*data, "--max_steps=3", "--epochs=2", "--seed=0", f"--model_dir={f}/tsv/run",
+                     f"--export_dir={f}/tsv/export", "--optimizer=dpsgd", "--l2_norm_clip=0.5",
+                     "--verbose=1"]),
+      ("unknown_preset", ["--preset=no_such_model_en", f"--data_dir={f}/unknown/glue"]),
+      ("lora", [*data, "--max_steps=2", "--epochs=1", "--lora_rank=2", "--lora_layers=all",
+                f"--model_dir={f}/lora/run", f"--export_dir={f}/lora/export"]),
+      ("cached", [*data, "--max_steps=3", "--epochs=1", "--pooling=mean", "--trainable_layers=1",
+                  "--cache_frozen_layers", f"--model_dir={f}/cached/run",
+                  f"--export_dir={f}/cached/export", f"--feature_cache_dir={f}/cached/cache"]),
+      *[(f"bad_flags[{m}]", [f"--preset={preset}", f"--data_dir={f}/glue", "--sequence_length=16",
+                             *args]) for args, m in BAD_SST2_FLAGS],
+      *_parse_configs("sst2"),
+  ]
+
+
+def _sst2_prepare(f):
+  assert _tiny_sst2(f) == str(f / "preset")
+  fixtures.write_sst2_tsv(f / "unknown" / "glue")
+
+
+@pytest.fixture(scope="module")
+def sst2_runs(tmp_path_factory):
+  """Every SST-2 launch of this module, in one process (tests/launch_each.py)."""
+  return named_runs(tmp_path_factory, "test_launch_sst2", "tf_dpnsgd.launch.sst2",
+                    _sst2_runs_of, _sst2_prepare)
+
+
 @pytest.mark.slow
-def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
-  preset = _tiny_sst2(tmp_path)  # 48 sentences, batch 8: 6 steps an epoch; 3 run
-  run = tmp_path / "run"
-  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-               "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=2",
-               "--sequence_length=16", "--seed=0", f"--model_dir={run}",
-               f"--export_dir={tmp_path}/export", "--optimizer=dpsgd", "--l2_norm_clip=0.5",
-               "--verbose=1")
-  rep = report(run)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_sst2_local_tsv_and_tiny_bert_preset(sst2_runs):
+  f, runs = sst2_runs
+  preset = str(f / "preset")  # 48 sentences, batch 8: 6 steps an epoch; 3 run
+  out = run_of(runs, "local_tsv")
+  rep = report(f / "tsv" / "run")
   assert rep["steps"] == 3 and rep["preset"] == preset and rep["freeze_embeddings"] is True
   # The progress bar counts the 3 steps that ran (it used to finalize at 6/6, and say
   # "Epoch 1/2" for a run that never reaches epoch 2).
@@ -117,100 +265,80 @@ def test_sst2_local_tsv_and_tiny_bert_preset(tmp_path):
   assert "Epoch 1/2" not in out.stdout
   assert rep["hyperparameters"]["optimizer"] == "dpsgd"
   from tf_dpnsgd import export
-  serve = export.load_serving_fn(str(tmp_path / "export"))
+  serve = export.load_serving_fn(str(f / "tsv" / "export"))
   import tensorflow as tf
   out = serve(sentences=tf.constant(["a great movie", "terrible"]))
   assert out["probabilities"].shape == (2, 2)
 
 
 @pytest.mark.slow
-def test_cifar10_through_tfds_mock_data(tmp_path):
-  launch("tf_dpnsgd.launch.cifar10", "--batch_size=8", "--physical_batch_size=8",
-         "--max_steps=1", "--epochs=1", "--seed=0", f"--model_dir={tmp_path}", "--groups=4",
-         "--resnet_depth=8", prelude="import tensorflow_datasets as tfds")
-  assert report(tmp_path)["dataset_size"] == 24
-
-
-BAD_QUICKSTART_FLAGS = [
-    (["--noise_multiplier=1.0", "--target_epsilon=2.0"], "only one of --noise_multiplier"),
-    (["--optimizer=sgd", "--noise_multiplier=1.0"], "--optimizer=sgd trains without privacy"),
-    (["--batch_size=5000"], "larger than the training set"),
-    (["--regularizer=0"], "--regularizer must be > 0"),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_quickstart_runs():
-  """Every case's launch, all in one process (tests/launch_each.py)."""
-  return launch_each("tf_dpnsgd.launch.quickstart",
-                     [["--epochs=1", *args] for args, _ in BAD_QUICKSTART_FLAGS], env=ENV)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_cifar10_through_tfds_mock_data(cifar10_runs):
+  f, runs = cifar10_runs
+  run_of(runs, "tfds_mock")  # inside tfds.testing.mock_data(num_examples=24, USE_CODE)
+  assert report(f / "tfds")["dataset_size"] == 24
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(BAD_QUICKSTART_FLAGS)),
                          ids=[m for _, m in BAD_QUICKSTART_FLAGS])
-def test_bad_flags_fail_before_training(bad_quickstart_runs, case):
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_bad_flags_fail_before_training(quickstart_runs, case):
   message = BAD_QUICKSTART_FLAGS[case][1]
-  out = bad_quickstart_runs[case]
+  out = quickstart_runs[1][f"bad_flags[{message}]"]
   assert out.returncode != 0 and message in out.stderr
   assert "Traceback" not in out.stderr and "FATAL" in out.stderr  # a flag error, one line
   assert "epoch" not in out.stdout
 
 
 @pytest.mark.slow
-def test_missing_data_names_expected_layout(tmp_path):
-  out = launch("tf_dpnsgd.launch.cifar10", f"--data_dir={tmp_path}", "--max_steps=1", check=False)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_missing_data_names_expected_layout(cifar10_runs):
+  out = cifar10_runs[1]["missing_data"]  # --data_dir an empty folder
   assert out.returncode != 0 and "cifar-10-batches-py" in out.stderr
 
 
 @pytest.mark.slow
-def test_unknown_preset_fails_before_training(tmp_path):
-  fixtures.write_sst2_tsv(tmp_path / "glue")
-  out = launch("tf_dpnsgd.launch.sst2", "--preset=no_such_model_en", f"--data_dir={tmp_path}/glue",
-               check=False)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_unknown_preset_fails_before_training(sst2_runs):
+  out = sst2_runs[1]["unknown_preset"]  # --preset=no_such_model_en on a GLUE folder
   assert out.returncode != 0 and "Accepted presets" in out.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["configs/cifar10/dpsgd_eps2_cyclic.flags"])
-def test_paper_config_flagfile_runs(tmp_path, config):
+@pytest.mark.parametrize("config", PAPER_CONFIGS)
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_paper_config_flagfile_runs(cifar10_runs, config):
   """A paper config parses and trains (tiny data and sizes overridden after the flagfile)."""
-  fixtures.write_cifar10_batches(tmp_path / "data", images_per_batch=20)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  launch("tf_dpnsgd.launch.cifar10", f"--flagfile={os.path.join(root, config)}",
-         f"--data_dir={tmp_path}/data", "--batch_size=20", "--physical_batch_size=10",
-         "--max_steps=1", "--epochs=2", "--groups=4", "--resnet_depth=8",
-         f"--model_dir={tmp_path}/run")
-  rep = report(tmp_path / "run")
+  f, runs = cifar10_runs
+  run_of(runs, f"paper_config[{config}]")
+  rep = report(f / "paper" / str(PAPER_CONFIGS.index(config)) / "run")
   assert rep["hyperparameters"]["optimizer"] == "dpsgd"
   assert rep["hyperparameters"]["lr_schedule"] == "cyclic"
   assert rep["conversion"] == "classic" and rep["target_epsilon"] == 2.0
 
 
 @pytest.mark.slow
-def test_all_config_flagfiles_are_valid_flags():
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_all_config_flagfiles_are_valid_flags(cifar10_runs, sst2_runs):
   """Every config file parses on its own: its lines are flags the launcher defines, with values
-  its validators accept (checked without training)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  for sub, module in (("cifar10", "tf_dpnsgd.launch.cifar10"), ("sst2", "tf_dpnsgd.launch.sst2")):
-    files = sorted(os.listdir(os.path.join(root, "configs", sub)))
+  its validators accept (checked without training; in each launcher's group process, each
+  file after the flags were reset)."""
+  for sub, (_, runs) in (("cifar10", cifar10_runs), ("sst2", sst2_runs)):
+    files = _config_files(sub)
     assert files
-    code = ("import sys\nfrom absl import flags\nimport " + module + "\n"
-            "for f in sys.argv[1:]:\n  flags.FLAGS.unparse_flags()  # each file alone\n"
-            "  flags.FLAGS(['x', '--flagfile=' + f])\nprint('OK')\n")
-    out = subprocess.run([sys.executable, "-c", code] +
-                         [os.path.join(root, "configs", sub, f) for f in files],
-                         capture_output=True, text=True, timeout=300, env=ENV)
-    assert out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+    for name in files:
+      out = runs[f"config[{sub}/{name}]"]
+      assert out.returncode == 0, f"configs/{sub}/{name}:\n{out.stderr[-3000:]}"
 
 
 @pytest.mark.slow
-def test_existing_export_dir_fails_before_training(tmp_path):
-  (tmp_path / "export").mkdir()
-  out = launch("tf_dpnsgd.launch.quickstart", "--epochs=1", f"--model_dir={tmp_path}/run",
-               f"--export_dir={tmp_path}/export", check=False)
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_existing_export_dir_fails_before_training(quickstart_runs):
+  f, runs = quickstart_runs
+  out = runs["existing_export"]
   assert out.returncode != 0 and "Checked before training" in out.stderr
-  assert not (tmp_path / "run" / "history.json").exists()
+  assert not (f / "exists" / "run" / "history.json").exists()
 
 
 # --- the privacy flags: --noise_multiplier alone, --optimizer=sgd, the default epsilon -----
@@ -294,22 +422,22 @@ def test_flag_file_epsilon_and_command_line_sigma_conflict(tmp_path):
 
 
 @pytest.mark.slow
-def test_noise_multiplier_alone_and_sgd_run_and_runs_differ(tmp_path):
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_noise_multiplier_alone_and_sgd_run_and_runs_differ(quickstart_runs):
   """The quickstart (default --target_epsilon=4, --seed=0) with --noise_multiplier alone, twice:
   both run, and the releases differ (noise and sampling seeds come from the OS); then sgd."""
+  f, runs = quickstart_runs
   losses = []
   for i in range(2):
-    out = launch("tf_dpnsgd.launch.quickstart", "--noise_multiplier=1.2", "--max_steps=3",
-                 f"--model_dir={tmp_path}/run{i}")
+    out = run_of(runs, f"sigma_alone[{i}]")
     assert "Traceback" not in out.stderr
-    rep = report(tmp_path / f"run{i}")
+    rep = report(f / "sigma" / f"run{i}")
     assert rep["noise_multiplier"] == 1.2 and rep["hyperparameters"]["target_epsilon"] is None
     assert rep["steps"] == 3 and rep["hyperparameters"]["noise_multiplier"] == 1.2
     losses.append(rep["final_metrics"]["loss"])
   assert losses[0] != losses[1]
-  out = launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--learning_rate=0.5",
-               "--max_steps=3", f"--model_dir={tmp_path}/sgd")
-  rep = report(tmp_path / "sgd")
+  out = run_of(runs, "sigma_sgd")
+  rep = report(f / "sigma" / "sgd")
   assert rep["private"] is False and rep["epsilon"] is None and rep["steps"] == 3
   assert "non-private" in out.stdout
 
@@ -388,36 +516,36 @@ def test_no_seed_in_logs_records_or_export(tmp_path, monkeypatch, caplog, capfd)
 
 
 @pytest.mark.slow
-def test_shuffle_run_refuses_to_resume_mid_epoch(tmp_path):
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_shuffle_run_refuses_to_resume_mid_epoch(quickstart_runs):
   """Sampler seeds are never saved, so a shuffle run resumed inside an epoch would draw a
   new permutation for its rest (examples repeated within the epoch): refused, one line."""
-  common = ["--sampling=shuffle", "--epochs=1", f"--model_dir={tmp_path}/run"]
-  launch("tf_dpnsgd.launch.quickstart", *common, "--max_steps=2")  # 11 steps per epoch
-  out = launch("tf_dpnsgd.launch.quickstart", *common, "--max_steps=4", check=False)
+  _, runs = quickstart_runs
+  run_of(runs, "shuffle_first")  # --max_steps=2 of 11 steps per epoch
+  out = runs["shuffle_resume"]  # the same flags, --max_steps=4, the same --model_dir
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "Cannot resume this --sampling=shuffle run at step 2" in out.stderr
 
 
 @pytest.mark.slow
-def test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back(tmp_path):
+@pytest.mark.xdist_group("launch_quickstart")  # its runs' one process: one worker
+def test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back(quickstart_runs):
   """Issue 30: the documented non-private baseline, then the DP run with the same
   --model_dir, used to warm-start from the SGD weights and report private: true, epsilon
   3.999, not_covered: []. Now it is a one-line error saying what to do, and the baseline's
   files stay as they were; the reverse (sgd over a private run) is refused too."""
-  sgd = f"--model_dir={tmp_path}/sgd"
-  launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--learning_rate=0.5",
-         "--max_steps=3", sgd)
-  before = report(tmp_path / "sgd")
-  out = launch("tf_dpnsgd.launch.quickstart", "--max_steps=3", sgd, check=False)
+  f, runs = quickstart_runs
+  sgd_report = str(f / "issue30" / "sgd" / "privacy_report.json")
+  before = json.loads(run_of(runs, "baseline_sgd").files[sgd_report])
+  out = runs["dp_over_sgd"]
   assert out.returncode != 0 and "Traceback" not in out.stderr and "FATAL" in out.stderr
   assert "NON-PRIVATE run" in out.stderr and "Use a new --model_dir" in out.stderr
-  assert report(tmp_path / "sgd") == before and before["private"] is False
-  dp = f"--model_dir={tmp_path}/dp"
-  launch("tf_dpnsgd.launch.quickstart", "--max_steps=2", dp)
-  out = launch("tf_dpnsgd.launch.quickstart", "--optimizer=sgd", "--max_steps=3", dp,
-               check=False)
+  assert json.loads(out.files[sgd_report]) == before and before["private"] is False
+  run_of(runs, "baseline_dp")
+  out = runs["sgd_over_dp"]
+  dp_report = str(f / "issue30" / "dp" / "privacy_report.json")
   assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert "would overwrite" in out.stderr and report(tmp_path / "dp")["private"] is True
+  assert "would overwrite" in out.stderr and json.loads(out.files[dp_report])["private"] is True
 
 
 @pytest.mark.slow
@@ -432,16 +560,15 @@ def test_help_lists_the_flags_a_run_needs(launcher):
 
 
 @pytest.mark.slow
-def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_path):
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(sst2_runs):
   """--lora_rank (here on every projection, --lora_layers=all): DP LoRA fine-tuning from the
   launcher; the pretrained weights are frozen and named in not_covered; the export serves raw
   sentences."""
-  preset = _tiny_sst2(tmp_path)
-  run = tmp_path / "run"
-  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-               "--batch_size=8", "--physical_batch_size=4", "--max_steps=2", "--epochs=1",
-               "--sequence_length=16", "--lora_rank=2", "--lora_layers=all",
-               f"--model_dir={run}", f"--export_dir={tmp_path}/export")
+  f, runs = sst2_runs
+  preset = str(f / "preset")
+  run = f / "lora" / "run"
+  out = run_of(runs, "lora")
   # The default --verbose=2 prints a line per epoch; the first step is reported at once.
   assert "step 1/2  loss " in out.stdout and " ETA " in out.stdout, out.stdout
   rep = report(run)
@@ -451,54 +578,34 @@ def test_sst2_lora_run_trains_only_the_factors_and_names_the_frozen_weights(tmp_
   # The preset is named through the ledger (models.text_classifier declares it).
   assert any(preset in item and item.startswith("Warm start")
              for item in rep["not_covered"]), rep["not_covered"]
-  assert os.path.isdir(tmp_path / "export")
+  assert os.path.isdir(f / "lora" / "export")
 
 
 @pytest.mark.slow
-def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(tmp_path):
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_sst2_cached_top_layers_train_and_the_export_matches_on_raw_sentences(sst2_runs):
   """--cache_frozen_layers: the top layer trains on cached lower outputs (here: the tiny
   BERT's embeddings); the export recomputes them from raw sentences and its dev accuracy is
   reported beside the Keras model's; the frozen weights are named in not_covered."""
-  preset = _tiny_sst2(tmp_path)
-  run = tmp_path / "run"
-  out = launch("tf_dpnsgd.launch.sst2", f"--preset={preset}", f"--data_dir={tmp_path}/glue",
-               "--batch_size=8", "--physical_batch_size=4", "--max_steps=3", "--epochs=1",
-               "--sequence_length=16", "--pooling=mean", "--trainable_layers=1",
-               "--cache_frozen_layers", f"--model_dir={run}", f"--export_dir={tmp_path}/export",
-               f"--feature_cache_dir={tmp_path}/cache")
+  f, runs = sst2_runs
+  run = f / "cached" / "run"
+  out = run_of(runs, "cached")
   rep = report(run)
   assert rep["steps"] == 3 and rep["cache_frozen_layers"] is True and rep["pooling"] == "mean"
   assert rep["feature_cache_hit"] is False
-  assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()] == ["text_lower"]
+  assert [p.name.split("-")[0] for p in (f / "cached" / "cache").iterdir()] == ["text_lower"]
   assert rep["exported_dev_accuracy"] == pytest.approx(rep["final_metrics"]["accuracy"],
                                                        abs=1 / 3 + 1e-9), rep
-  assert report(tmp_path / "export")["exported_dev_accuracy"] == rep["exported_dev_accuracy"]
+  assert report(f / "cached" / "export")["exported_dev_accuracy"] == rep["exported_dev_accuracy"]
   assert "exported SavedModel on raw dev sentences" in out.stdout
   cached = [item for item in rep["not_covered"] if item.startswith("Frozen lower layers")]
   assert cached and "token_embedding" in cached[0], rep["not_covered"]
 
 
-BAD_SST2_FLAGS = [
-    (["--cache_frozen_layers"], "--cache_frozen_layers needs --trainable_layers"),
-    (["--cache_frozen_layers", "--trainable_layers=1"], "--pooling=mean"),
-    (["--optimizer=adam", "--target_epsilon=2"], "trains without privacy"),
-    (["--feature_cache_dir=/tmp/unused"], "--feature_cache_dir keeps"),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_sst2_runs(tmp_path_factory):
-  """Every case's launch on one tiny preset and data set, all in one process."""
-  tmp_path = tmp_path_factory.mktemp("sst2_flags")
-  preset = _tiny_sst2(tmp_path)
-  common = [f"--preset={preset}", f"--data_dir={tmp_path}/glue", "--sequence_length=16"]
-  return launch_each("tf_dpnsgd.launch.sst2", [[*common, *args] for args, _ in BAD_SST2_FLAGS],
-                     env=ENV)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(BAD_SST2_FLAGS)), ids=[m for _, m in BAD_SST2_FLAGS])
-def test_sst2_cache_and_baseline_flags_refused_before_training(bad_sst2_runs, case):
+@pytest.mark.xdist_group("launch_cifar10_sst2")  # its runs' one process: one worker
+def test_sst2_cache_and_baseline_flags_refused_before_training(sst2_runs, case):
   message = BAD_SST2_FLAGS[case][1]
-  out = bad_sst2_runs[case]
+  out = sst2_runs[1][f"bad_flags[{message}]"]
   assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

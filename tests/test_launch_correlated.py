@@ -13,8 +13,6 @@ import json
 import math
 import os
 import stat
-import subprocess
-import sys
 
 import dp_accounting
 import h5py
@@ -202,63 +200,99 @@ def test_sampler_seed_file_is_owner_only_and_read_back(tmp_path):
 
 
 # --- the quickstart launcher end to end ------------------------------------------------------
-def launch(tmp_path, *args, check=True):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",
-             TF_DPNSGD_LINEAGE_DIR=str(tmp_path / "lineages"))
-  out = subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.quickstart", *args],
-                       capture_output=True, text=True, timeout=600, env=env)
-  if check and out.returncode != 0:
-    raise AssertionError(f"quickstart failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-  return out
-
-
 def report(run):
   with open(run / "privacy_report.json") as f:
     return json.load(f)
 
 
-@pytest.mark.slow
-def test_quickstart_bandmf_reports_its_noise_and_resumes_on_the_same_partition(tmp_path):
-  run = tmp_path / "run"
+def _bandmf_runs_of(f):
+  """This module's launches, in one process (tests/launch_each.py): the BandMF run, its
+  resume, the resume without its seed file (removed just before), the independent-noise
+  one; then the refused flags. Files are read back between runs where a test checks them."""
+  run = f / "run"
   flags_ = ["--noise=bandmf", "--bands=2", "--noise_multiplier=1.2", "--batch_size=64",
             "--epochs=1", "--momentum=0.9", f"--model_dir={run}"]
-  out = launch(tmp_path, *flags_, "--max_steps=4")
-  first = report(run)
+  seed_path = str(run / resume.SEED_FILE)
+  snapshot = [seed_path, str(run / "privacy_report.json"), str(run / resume.MARKER_FILE)]
+  return [
+      ("bandmf", {"argv": [*flags_, "--max_steps=4"], "read": snapshot}),
+      ("bandmf_resume", {"argv": [*flags_, "--max_steps=7"], "read": snapshot}),
+      ("bandmf_without_seed", {"argv": [*flags_, "--max_steps=9"], "remove": [seed_path],
+                               "read": [str(run / "privacy_report.json")]}),
+      ("independent_over_bandmf", ["--noise_multiplier=1.2", "--batch_size=64", "--epochs=1",
+                                   f"--model_dir={run}", "--max_steps=9"]),
+      ("bad_noise_flags", ["--noise=bandmf", "--bands=2", "--sampling=uniform",
+                           f"--model_dir={f}/refused/run"]),
+  ]
+
+
+@pytest.fixture(scope="module")
+def quickstart_runs(tmp_path_factory):
+  from launch_each import launch_once
+  from launch_each import shared_dir
+  named = _bandmf_runs_of(shared_dir(tmp_path_factory, "test_launch_correlated")[0])
+  env = lambda f: dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",  # noqa: E731
+                       TF_DPNSGD_LINEAGE_DIR=str(f / "lineages"))
+  f, results = launch_once(tmp_path_factory, "test_launch_correlated",
+                           "tf_dpnsgd.launch.quickstart", lambda f: [r for _, r in named],
+                           env=env)
+  return f, dict(zip([n for n, _ in named], results))
+
+
+def seed_in(snapshot, mode, tmp_path):
+  """``resume.read_sampler_seed`` of a seed file as a run left it (its text and mode)."""
+  copy = tmp_path / "seed_snapshot"
+  copy.mkdir(exist_ok=True)
+  path = copy / resume.SEED_FILE
+  path.write_text(snapshot)
+  os.chmod(path, mode)
+  return resume.read_sampler_seed(str(copy))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("launch_correlated_quickstart")  # its runs' one process: one worker
+def test_quickstart_bandmf_reports_its_noise_and_resumes_on_the_same_partition(
+    quickstart_runs, tmp_path):
+  from launch_each import checked
+  f, runs = quickstart_runs
+  run = f / "run"
+  seed_path, report_path = str(run / resume.SEED_FILE), str(run / "privacy_report.json")
+  out = checked(runs["bandmf"], "the BandMF run (--max_steps=4)")
+  first = json.loads(out.files[report_path])
   n = first["dataset_size"]
   assert first["private"] and first["steps"] == 4
   assert (first["noise"], first["bands"], first["sampling"]) == ("bandmf", 2, "cyclic_poisson")
   assert first["hyperparameters"]["noise"] == "bandmf"
   assert first["epsilon"] == pytest.approx(oracle_epsilon(n, 64, 1.2, 1e-5, 2, 4), rel=1e-9)
   # The secret sampler seed: in model_dir only, owner-only, nowhere in the report or logs.
-  seed_path = run / resume.SEED_FILE
-  assert stat.S_IMODE(os.stat(seed_path).st_mode) == 0o600
-  seed = resume.read_sampler_seed(str(run))
-  for path in (run / "privacy_report.json", run / resume.MARKER_FILE):
-    assert str(seed) not in path.read_text()
+  assert stat.S_IMODE(out.modes[seed_path]) == 0o600
+  seed = seed_in(out.files[seed_path], out.modes[seed_path], tmp_path)
+  for path in (report_path, str(run / resume.MARKER_FILE)):
+    assert str(seed) not in out.files[path]
   assert str(seed) not in out.stdout + out.stderr
   # A rerun continues the same partition (the ledger would refuse another seed) and the
   # noise buffers from the checkpoint: all 7 steps accounted as one cyclic-Poisson run.
-  launch(tmp_path, *flags_, "--max_steps=7")
-  second = report(run)
-  assert second["steps"] == 7 and resume.read_sampler_seed(str(run)) == seed
+  out = checked(runs["bandmf_resume"], "the resume (--max_steps=7)")
+  second = json.loads(out.files[report_path])
+  assert second["steps"] == 7 and seed_in(out.files[seed_path], out.modes[seed_path],
+                                          tmp_path) == seed
   assert second["epsilon"] == pytest.approx(oracle_epsilon(n, 64, 1.2, 1e-5, 2, 7), rel=1e-9)
   # Without its seed file the run cannot continue: refused before training.
-  os.remove(seed_path)
-  out = launch(tmp_path, *flags_, "--max_steps=9", check=False)
+  out = runs["bandmf_without_seed"]  # the seed file removed just before
   assert out.returncode != 0 and "not its sampler seed" in out.stderr
-  assert report(run)["steps"] == 7
+  assert json.loads(out.files[report_path])["steps"] == 7
   # Independent noise cannot continue it either (another plan: refused by run.json).
-  out = launch(tmp_path, "--noise_multiplier=1.2", "--batch_size=64", "--epochs=1",
-               f"--model_dir={run}", "--max_steps=9", check=False)
+  out = runs["independent_over_bandmf"]
   assert out.returncode != 0 and "plan.sampling" in out.stderr
 
 
 @pytest.mark.slow
-def test_quickstart_refuses_bad_noise_flags_before_training(tmp_path):
-  out = launch(tmp_path, "--noise=bandmf", "--bands=2", "--sampling=uniform",
-               f"--model_dir={tmp_path}/run", check=False)
+@pytest.mark.xdist_group("launch_correlated_quickstart")  # its runs' one process: one worker
+def test_quickstart_refuses_bad_noise_flags_before_training(quickstart_runs):
+  f, runs = quickstart_runs
+  out = runs["bad_noise_flags"]
   assert out.returncode != 0 and "Drop --sampling" in out.stderr
-  assert not (tmp_path / "run").exists()
+  assert not (f / "refused" / "run").exists()
 
 
 # --- in process: a resumed run equals an uninterrupted one with the same seeds ---------------
