@@ -320,3 +320,20 @@ def test_make_private_refuses_incomplete_or_conflicting_user_settings():
                            delta=1e-5, batch_size=2, steps=1)
   with pytest.raises(ValueError, match="privacy_unit"):
     tf_dpnsgd.make_private(_model(), privacy_unit="person")
+
+
+def test_kept_rows_are_at_most_k_per_user_and_follow_the_examples_not_their_order():
+  """users.kept_rows (the rows an example-level comparison trains on, so that a group-privacy
+  statement for k rows covers every user): at most k rows per user, all rows of users with
+  fewer, the same examples whatever the order of the data."""
+  rng = np.random.default_rng(0)
+  user_ids = np.repeat(np.arange(6), [1, 2, 5, 9, 3, 12])
+  x = rng.normal(size=(user_ids.size, 3)).astype("float32")
+  y = rng.integers(0, 2, user_ids.size)
+  kept = users.kept_rows(x, y, user_ids, 3)
+  assert np.all(np.diff(kept) > 0)
+  per_user = np.bincount(user_ids[kept], minlength=6)
+  assert per_user.tolist() == [1, 2, 3, 3, 3, 3]
+  perm = rng.permutation(user_ids.size)
+  again = users.kept_rows(x[perm], y[perm], user_ids[perm], 3)
+  assert sorted(map(tuple, x[perm][again])) == sorted(map(tuple, x[kept]))

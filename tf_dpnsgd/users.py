@@ -193,6 +193,16 @@ class UserTable:
   num_users = property(lambda self: int(self.users.size))
 
 
+def kept_rows(x, y, user_ids, k: int, example_ids=None) -> np.ndarray:
+  """Sorted positions of the rows user-level training at bound ``k`` draws from: each
+  user's first ``k`` rows in :class:`UserTable`'s public hash order (the table the sampler
+  builds, :meth:`UserPoissonSampler.table`). Example-level training on these rows alone
+  gives every user at most ``k`` rows, the premise of a group-privacy statement."""
+  population = participation.Population.of_data(x, y, example_ids)
+  table = UserTable.of(user_identities(user_ids), population.identities, k)
+  return np.sort(table.rows[table.rows >= 0])
+
+
 def num_users(user_ids) -> int:
   """``U``, the number of distinct users among ``user_ids`` (one per row).
 
@@ -585,6 +595,6 @@ def not_covered(plan) -> tuple:
 
 
 __all__ = ["MissingUserIdError", "PRIVACY_UNITS", "UnitMismatchError", "UserPoissonSampler",
-           "UserTable", "bound_diagnostics", "check_ledger_unit", "check_user_batch",
+           "UserTable", "bound_diagnostics", "check_ledger_unit", "check_user_batch", "kept_rows",
            "not_covered", "num_users", "privacy_unit", "report_notes", "split_user_column",
            "user_identities", "validate_max_examples_per_user", "validate_plan"]

@@ -8,6 +8,8 @@ distributed in), falls back to tensorflow-datasets, and otherwise raises
     normalization constants and layer, seeded crop + flip augmentation.
   * :mod:`tf_dpnsgd.data.glue`: GLUE SST-2 sentences (``SST-2/{train,dev}.tsv``).
   * :mod:`tf_dpnsgd.data.digits`: scikit-learn's 8x8 digits, split offline.
+  * :mod:`tf_dpnsgd.data.shakespeare`: tinyshakespeare's speaking roles as users
+    (``input.txt``, local only: ``scripts/shakespeare_setup.sh``), next-character rows.
 
 tensorflow-datasets and scikit-learn are optional: they are imported only by
 the loaders that need them.
@@ -16,5 +18,6 @@ the loaders that need them.
 from tf_dpnsgd.data import cifar10
 from tf_dpnsgd.data import digits
 from tf_dpnsgd.data import glue
+from tf_dpnsgd.data import shakespeare
 
-__all__ = ["cifar10", "digits", "glue"]
+__all__ = ["cifar10", "digits", "glue", "shakespeare"]
