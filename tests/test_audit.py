@@ -724,19 +724,46 @@ def test_input_canaries_black_box_run():
   assert 0.0 <= report.epsilon_lower_bound <= report.epsilon_claimed
 
 
-def _launch(args, tmp_path):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.audit", *args],
-                        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+            PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+_CONFIG = os.path.join(REPO, "configs", "audit", "digits_gradient.cfg")
+
+
+def _runs_once(tmp_path_factory, name, module, runs_of):
+  """``runs_of(folder)`` -> ``[(run name, run)]``: every launch of ``module`` these tests
+  make, in ONE process, once per session (tests/launch_each.py: flags, Keras state and
+  seeds reset between runs, as separate processes). Returns ``(folder, {name: result})``."""
+  from launch_each import launch_once, shared_dir
+  named = runs_of(shared_dir(tmp_path_factory, name)[0])
+  folder, results = launch_once(tmp_path_factory, name, module,
+                                lambda f: [run for _, run in named], env=_ENV)
+  return folder, dict(zip([n for n, _ in named], results))
+
+
+def _audit_runs_of(f):
+  common = [f"--flagfile={_CONFIG}", "--num_canaries=200", "--epochs=2", "--width=8",
+            "--target_epsilon=8", "--audit_seed=0"]
+  return [
+      ("report", common + [f"--output_dir={f}/report"]),
+      ("adaptive", common + [f"--output_dir={f}/adaptive", "--optimizer=dpsgd",
+                             "--target_unclipped_quantile=0.5", "--clip_learning_rate=0.3"]),
+      ("adaptive_without_clip", ["--dataset=digits", "--target_epsilon=2", "--optimizer=dpnsgd",
+                                 "--target_unclipped_quantile=0.5"]),
+      ("flag_error", ["--dataset=digits", "--noise_multiplier=1", "--target_epsilon=2"]),
+  ]
+
+
+@pytest.fixture(scope="module")
+def audit_runs(tmp_path_factory):
+  return _runs_once(tmp_path_factory, "test_audit_launcher", "tf_dpnsgd.launch.audit",
+                    _audit_runs_of)
 
 
 @pytest.mark.slow
-def test_launcher_writes_report_and_figure(tmp_path):
-  out = tmp_path / "audit"
-  proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
-                  "--epochs=2", "--width=8", "--target_epsilon=8", f"--output_dir={out}",
-                  "--audit_seed=0"], tmp_path)
+@pytest.mark.xdist_group("audit_launcher")  # its runs' one process: one worker
+def test_launcher_writes_report_and_figure(audit_runs):
+  f, runs = audit_runs
+  out, proc = f / "report", runs["report"]
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "audit_report.json").read_text())
   assert report["canary_kind"] == "gradient" and report["num_canaries"] == 200
@@ -747,12 +774,10 @@ def test_launcher_writes_report_and_figure(tmp_path):
 
 
 @pytest.mark.slow
-def test_launcher_audits_adaptive_clipping(tmp_path):
-  out = tmp_path / "audit"
-  proc = _launch(["--flagfile=configs/audit/digits_gradient.cfg", "--num_canaries=200",
-                  "--epochs=2", "--width=8", "--target_epsilon=8", f"--output_dir={out}",
-                  "--audit_seed=0", "--optimizer=dpsgd", "--target_unclipped_quantile=0.5",
-                  "--clip_learning_rate=0.3"], tmp_path)
+@pytest.mark.xdist_group("audit_launcher")  # its runs' one process: one worker
+def test_launcher_audits_adaptive_clipping(audit_runs):
+  f, runs = audit_runs
+  out, proc = f / "adaptive", runs["adaptive"]
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "audit_report.json").read_text())
   # The calibrated (effective) multiplier covers gradient and count query: same epsilon.
@@ -761,17 +786,18 @@ def test_launcher_audits_adaptive_clipping(tmp_path):
 
 
 @pytest.mark.slow
-def test_launcher_refuses_adaptive_clipping_without_a_clip(tmp_path):
-  proc = _launch(["--dataset=digits", "--target_epsilon=2", "--optimizer=dpnsgd",
-                  "--target_unclipped_quantile=0.5"], tmp_path)
+@pytest.mark.xdist_group("audit_launcher")  # its runs' one process: one worker
+def test_launcher_refuses_adaptive_clipping_without_a_clip(audit_runs):
+  proc = audit_runs[1]["adaptive_without_clip"]
   assert proc.returncode == 1
   assert "needs --optimizer=dpsgd or dpadam" in proc.stderr
   assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
-def test_launcher_flag_errors_are_one_line(tmp_path):
-  proc = _launch(["--dataset=digits", "--noise_multiplier=1", "--target_epsilon=2"], tmp_path)
+@pytest.mark.xdist_group("audit_launcher")  # its runs' one process: one worker
+def test_launcher_flag_errors_are_one_line(audit_runs):
+  proc = audit_runs[1]["flag_error"]
   assert proc.returncode == 1
   assert "exactly one of --noise_multiplier" in proc.stderr
   assert "Traceback" not in proc.stderr
@@ -779,10 +805,24 @@ def test_launcher_flag_errors_are_one_line(tmp_path):
 
 # --- --audit_canaries in the training launchers -----------------------------------------------
 def _run_module(module, *args):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                        timeout=600, env=env, cwd=REPO)
+                        timeout=600, env=_ENV, cwd=REPO)
+
+
+def _quickstart_runs_of(f):
+  return [
+      ("canaries", ["--epochs=3", "--audit_canaries=300", f"--model_dir={f}/canaries/run",
+                    f"--export_dir={f}/canaries/export"]),
+      ("plain", ["--max_steps=2", f"--model_dir={f}/resume/run"]),
+      ("audited_resume", ["--max_steps=4", f"--model_dir={f}/resume/run",
+                          "--audit_canaries=50"]),
+  ]
+
+
+@pytest.fixture(scope="module")
+def quickstart_audit_runs(tmp_path_factory):
+  return _runs_once(tmp_path_factory, "test_audit_quickstart", "tf_dpnsgd.launch.quickstart",
+                    _quickstart_runs_of)
 
 
 def _check_audit_block(block, claimed, num_canaries, kind):
@@ -798,13 +838,14 @@ def _check_audit_block(block, claimed, num_canaries, kind):
 
 
 @pytest.mark.slow
-def test_quickstart_audit_canaries_through_the_normal_run(tmp_path):
+@pytest.mark.xdist_group("audit_quickstart")  # its runs' one process: one worker
+def test_quickstart_audit_canaries_through_the_normal_run(quickstart_audit_runs):
   from tf_dpnsgd import export as export_lib
   import tensorflow as tf
   from tf_dpnsgd.data import digits
   m = 300
-  proc = _run_module("tf_dpnsgd.launch.quickstart", "--epochs=3", f"--audit_canaries={m}",
-                     f"--model_dir={tmp_path}/run", f"--export_dir={tmp_path}/export")
+  f, runs = quickstart_audit_runs
+  tmp_path, proc = f / "canaries", runs["canaries"]
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Steinke" in proc.stdout and "f-DP" in proc.stdout and "claimed epsilon" in proc.stdout
   report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
@@ -857,11 +898,12 @@ def test_mnist_audit_input_canaries_with_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_audited_run_refuses_to_resume(tmp_path):
-  run = f"--model_dir={tmp_path}/run"
-  proc = _run_module("tf_dpnsgd.launch.quickstart", "--max_steps=2", run)
+@pytest.mark.xdist_group("audit_quickstart")  # its runs' one process: one worker
+def test_audited_run_refuses_to_resume(quickstart_audit_runs):
+  runs = quickstart_audit_runs[1]
+  proc = runs["plain"]
   assert proc.returncode == 0, proc.stderr[-3000:]
-  proc = _run_module("tf_dpnsgd.launch.quickstart", "--max_steps=4", run, "--audit_canaries=50")
+  proc = runs["audited_resume"]  # the same model dir, after the plain run
   assert proc.returncode == 1
   assert "cannot resume" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -875,15 +917,16 @@ def test_sst2_audit_input_canaries_and_gradient_refused(tmp_path):
   common = [f"--preset={preset}", f"--data_dir={tmp_path}/glue", "--batch_size=8",
             "--physical_batch_size=8", "--max_steps=4", "--epochs=1", "--sequence_length=16",
             "--optimizer=dpsgd", "--l2_norm_clip=0.5", "--audit_canaries=32"]
-  proc = _run_module("tf_dpnsgd.launch.sst2", *common, "--audit_canary_kind=input",
-                     f"--model_dir={tmp_path}/run")
+  from launch_each import launch_each  # both launches in one process
+  proc, refused = launch_each("tf_dpnsgd.launch.sst2", [
+      common + ["--audit_canary_kind=input", f"--model_dir={tmp_path}/run"],
+      common + [f"--model_dir={tmp_path}/run2"]], env=_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
   _check_audit_block(report["audit"], report["epsilon"], 32, "input")
   assert report["dataset_size"] == len(train) - 32 + report["audit"]["num_included"]
-  proc = _run_module("tf_dpnsgd.launch.sst2", *common, f"--model_dir={tmp_path}/run2")
-  assert proc.returncode == 1 and "--audit_canary_kind=input" in proc.stderr
-  assert "Traceback" not in proc.stderr
+  assert refused.returncode == 1 and "--audit_canary_kind=input" in refused.stderr
+  assert "Traceback" not in refused.stderr
 
 
 def test_canary_audit_not_covered_lists_what_reads_private_rows_outside_the_mechanism():
