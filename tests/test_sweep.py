@@ -450,8 +450,16 @@ def test_sgd_cells_drop_the_fixed_privacy_flags_and_refuse_privacy_axes():
 
 @pytest.mark.slow
 def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
+  from launch_each import launch_each  # the dry run and the three refusals in one process
   args = ["--base=quickstart", "--fixed=epochs=2", "--grid=optimizer=dpnsgd,sgd", "--dry_run"]
-  out = run_sweep(*args, f"--sweep_dir={tmp_path}/dry")
+  bad_flags = ((["--grid=target_epsilon=2,4"], "condition that axis"),
+               (["--fixed=noise_multiplier=1", "--fixed=target_epsilon=2"], "only one"),
+               (["--fixed=regularizer=0"], "--regularizer must be > 0"))
+  dry, *refused = launch_each("tf_dpnsgd.launch.sweep", [
+      args + [f"--sweep_dir={tmp_path}/dry"], *[args + bad for bad, _ in bad_flags]],
+      env=ENV, timeout=300)
+  assert dry.returncode == 0, f"sweep failed:\n{dry.stdout[-4000:]}\n{dry.stderr[-4000:]}"
+  out = dry.stdout
   assert "non-private" in out
   assert "NOT private as a whole" in out  # issue 19, scenario 10
   plan = strict_json(tmp_path / "dry" / "plan.json")
@@ -459,13 +467,9 @@ def test_dry_run_with_sgd_axis_and_flag_errors(tmp_path):
   rows = {c["optimizer"]: c for c in plan["cells"]}
   assert rows["sgd"]["epsilon"] is None and rows["sgd"]["private"] is False
   assert 0 < rows["dpnsgd"]["epsilon"] <= 4.0 + 1e-9  # the quickstart's default target
-  for bad, message in ((["--grid=target_epsilon=2,4"], "condition that axis"),
-                       (["--fixed=noise_multiplier=1", "--fixed=target_epsilon=2"], "only one"),
-                       (["--fixed=regularizer=0"], "--regularizer must be > 0")):
-    proc = subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.sweep", *args, *bad],
-                          capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "FATAL sweep error" in proc.stderr and message in proc.stderr
+  for proc, (bad, message) in zip(refused, bad_flags):
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, (bad, proc.stderr[-3000:])
+    assert "FATAL sweep error" in proc.stderr and message in proc.stderr, (bad, proc.stderr)
 
 
 @pytest.mark.slow
