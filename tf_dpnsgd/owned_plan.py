@@ -202,8 +202,9 @@ def unit_keywords(privacy_unit, user_key, max_examples_per_user, sampling, per_e
                      "max_examples_per_user=k (the most rows of one user a step uses).")
   if per_example not in users_lib.UNIT_ENGINES:
     raise ValueError(f"privacy_unit='user' computes each user's gradient on the layer-wise "
-                     f"engine (where every layer has a rule) or the per-user loop; "
-                     f"per_example={per_example!r} has no user-level form: use one of "
+                     f"engine (where every layer has a rule), the vectorized engine or the "
+                     f"per-user loop; per_example={per_example!r} has no user-level form: "
+                     f"use one of "
                      f"{users_lib.UNIT_ENGINES} ('auto' picks).")
   return users_lib.SAMPLING, {"user_key": user_key,
                               "max_examples_per_user": max_examples_per_user}

@@ -67,9 +67,9 @@ from tf_dpnsgd.sampling import PoissonOverflowError
 PRIVACY_UNITS = ("example", "user")
 SAMPLING = "user_poisson"
 #: ``per_example`` settings with a user-level form (tf_dpnsgd.per_example.units): the
-#: layer-wise engine in either mode, the per-user loop, or ``auto`` (layer-wise where every
-#: layer has a rule). The vectorized engine has none.
-UNIT_ENGINES = ("auto", "layerwise", "two_pass", "microbatch")
+#: layer-wise engine in either mode, ``tf.vectorized_map`` over users, the per-user loop,
+#: or ``auto`` (layer-wise where every layer has a rule, else the loop).
+UNIT_ENGINES = ("auto", "layerwise", "two_pass", "vectorized", "microbatch")
 _USER_TAG = 0x05E4  # keys user identities apart from example identities
 _KEEP_KEY = 0x4B45  # the public key of the k-row selection rule
 _STREAM_TAG = 0x05E9  # the sampler's NumPy stream, apart from the example samplers'

@@ -35,6 +35,12 @@ padding slots get factor 0 (``unit_mask``). ``per_example="auto"`` uses it where
 model's engine is the layer-wise one (:func:`unit_engine_for`); the loop is the
 fallback (any other model, ragged inputs). Tested against the same oracle
 (``tests/test_user_level_engines.py``).
+
+The vectorized engine computes them with ``tf.vectorized_map`` over the slots
+(:func:`user_unit_vectorized_engine`, for ``per_example="vectorized"``): the same gathered
+rows reshaped to ``[U, k, ...]``, each slot's gradient of its masked mean loss, the
+vectorized engine's refusals (oneDNN, ``tf.while_loop`` layers) and per-slot random
+streams; padding slots get factor 0. Tested against the same oracle.
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ import functools
 
 import tensorflow as tf
 
+from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import microbatch
 from tf_dpnsgd.per_example import stateless
 from tf_dpnsgd.per_example.base import EngineOutput, variable_gradients
+from tf_dpnsgd.per_example import vectorized
 from tf_dpnsgd.per_example.vectorized import batch_size_of, check_no_sparse_inputs
 
 
@@ -182,18 +190,69 @@ def user_unit_layerwise_engine(model, loss_fn, x, y, transform, mask=None, rows_
   return dataclasses.replace(out, unit_mask=slots)
 
 
+def user_unit_vectorized_engine(model, loss_fn, x, y, transform, mask=None, rows_per_unit=None,
+                                variables=None) -> EngineOutput:
+  """:func:`user_unit_engine`'s result from ``tf.vectorized_map`` over the slots.
+
+  The rows are gathered as in the loop (a padding row becomes its slot's first real row,
+  :func:`slot_rows`), reshaped to ``[U, k, ...]`` and each slot's gradient of its
+  :func:`masked_mean` loss computed by
+  :func:`~tf_dpnsgd.per_example.vectorized.checked_unit_gradients` (the vectorized
+  engine's per-unit gradients, its oneDNN refusal and per-unit random streams); padding
+  slots get factor 0 (``unit_mask``) and, like non-finite slot gradients, are zeroed with
+  ``tf.where`` before the sum (:func:`tf_dpnsgd.transforms.weighted_sum`).
+
+  Args:
+    model, loss_fn, x, y, transform, mask, rows_per_unit, variables: as
+      :func:`user_unit_engine`.
+
+  Raises:
+    ValueError: ragged or sparse inputs
+      (:func:`~tf_dpnsgd.per_example.vectorized.check_dense_inputs`).
+    UnsupportedLayerError, StateWriteError: as
+      :func:`~tf_dpnsgd.per_example.vectorized.vectorized_engine`, before anything runs.
+  """
+  vectorized.check_dense_inputs(x, "vectorized")
+  vectorized.check_no_while_loop_layers(model)
+  units, k = _static_units(x, rows_per_unit)
+  if variables is None:
+    variables = model.trainable_variables
+  row_mask = tf.ones([units * k], tf.bool) if mask is None else tf.cast(mask, tf.bool)
+  slots = unit_mask(row_mask, units * k, k)
+  rows = slot_rows(row_mask, units, k)
+  x_rows, y_rows = tf.nest.map_structure(lambda t: tf.gather(t, rows), (x, y))
+  slot_masks = tf.reshape(row_mask, [units, k])
+
+  def slot_loss(losses, u):
+    return masked_mean(losses, tf.gather(slot_masks, u))
+
+  grads, losses, y_pred = vectorized.checked_unit_gradients(
+      model, loss_fn, x_rows, y_rows, vectorized.to_units(x_rows, units),
+      vectorized.to_units(y_rows, units), variables, units, unit_loss=slot_loss)
+  summed, norms, factors = transforms.transform_and_sum(grads, transform, slots)
+  return EngineOutput(summed=summed, norms=norms, factors=factors,
+                      losses=tf.reshape(losses, [-1]),
+                      y_pred=vectorized.from_units(y_pred, units), unit_mask=slots)
+
+
 def unit_engine_for(engine):
   """The user-level engine matching a resolved example-level ``engine``
   (:func:`tf_dpnsgd.per_example.resolve_engine`): :func:`user_unit_layerwise_engine` with
   the same keyword arguments (mode, keep budget) where ``engine`` (or ``"auto"``'s choice
-  for dense inputs, its ``dense_engine``) is the layer-wise or two-pass engine, else the
-  loop :func:`user_unit_engine`.
+  for dense inputs, its ``dense_engine``) is the layer-wise or two-pass engine,
+  :func:`user_unit_vectorized_engine` where ``engine`` is the vectorized engine (an
+  explicit ``per_example="vectorized"``; ``"auto"`` keeps the loop where it did not pick
+  the layer-wise engine), else the loop :func:`user_unit_engine`.
 
   >>> unit_engine_for(layerwise.two_pass_engine).keywords
   {'mode': 'two_pass'}
+  >>> unit_engine_for(vectorized.vectorized_engine) is user_unit_vectorized_engine
+  True
   >>> unit_engine_for(microbatch.microbatch_engine) is user_unit_engine
   True
   """
+  if engine is vectorized.vectorized_engine:
+    return user_unit_vectorized_engine
   fn = getattr(engine, "dense_engine", engine)
   keywords = {}
   while isinstance(fn, functools.partial):
@@ -207,4 +266,4 @@ def unit_engine_for(engine):
 
 
 __all__ = ["masked_mean", "slot_rows", "unit_engine_for", "unit_mask", "user_unit_engine",
-           "user_unit_layerwise_engine"]
+           "user_unit_layerwise_engine", "user_unit_vectorized_engine"]

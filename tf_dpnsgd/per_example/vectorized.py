@@ -420,8 +420,12 @@ class ExplicitBiasAdd:
 
 # --- the engine -------------------------------------------------------------------
 
-def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_microbatches):
+def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_microbatches,
+                        unit_loss=None):
   """``(grads, losses, y_pred)`` per unit from ``tf.vectorized_map`` (builds ops only).
+
+  ``unit_loss``: ``fn(losses, index) -> scalar``, unit ``index``'s loss from its rows'
+  losses (None: their mean).
 
   Raises:
     StateWriteError: the forward pass or the loss writes a variable other
@@ -439,7 +443,7 @@ def _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_micro
         with ExplicitBiasAdd(model):
           y_pred = model(x_u, training=True)
         losses = loss_fn(y_u, y_pred)
-        loss = tf.reduce_mean(losses)
+        loss = tf.reduce_mean(losses) if unit_loss is None else unit_loss(losses, index)
       grads = variable_gradients(tape, loss, variables)  # dense; zeros where unconnected
     assigned.extend(scope.assigned)
     return grads, losses, y_pred
@@ -473,6 +477,45 @@ def onednn_hazards(model, loss_fn, x, y, num_microbatches=None, variables=None) 
 
   graph = tf.function(trace, autograph=False).get_concrete_function(*specs).graph
   return onednn_matmul_hazards(graph.get_operations())
+
+
+def checked_unit_gradients(model, loss_fn, x, y, xu, yu, variables, num_microbatches,
+                           unit_loss=None):
+  """:func:`vectorized_engine`'s per-unit gradients, refused where oneDNN would break them.
+
+  Also the user-level slots' (:func:`tf_dpnsgd.per_example.units.user_unit_vectorized_engine`,
+  ``num_microbatches`` slots of ``k`` rows, ``unit_loss`` their masked mean).
+
+  Args:
+    model, loss_fn, x, y, variables, num_microbatches: as :func:`vectorized_engine`.
+    xu, yu: ``to_units(x, num_microbatches)``, ``to_units(y, num_microbatches)``.
+    unit_loss: ``fn(losses, index) -> scalar``, a unit's loss (None: its rows' mean).
+
+  Returns:
+    ``(grads, losses, y_pred)``: ``[U, *var_shape]`` per variable, the units' losses and
+    outputs; the seed generators advanced once.
+
+  Raises:
+    UnsupportedLayerError, StateWriteError: as :func:`vectorized_engine`, before anything
+      runs.
+  """
+  generators = stateless.random_state(model)
+  check = onednn_enabled()
+  if check and tf.executing_eagerly():  # vectorized_map would run at once: trace it first
+    hazards = onednn_hazards(model, loss_fn, x, y, num_microbatches, variables)
+    if hazards:
+      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
+  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  first = len(graph.get_operations()) if graph is not None else 0
+  out = _per_unit_gradients(model, loss_fn, xu, yu, variables, generators, num_microbatches,
+                            unit_loss)
+  if check and graph is not None:  # raised while tracing: nothing has run
+    hazards = onednn_matmul_hazards(graph.get_operations()[first:])
+    if hazards:
+      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
+  for gen in generators:  # advance each random stream once per step
+    gen.next()
+  return out
 
 
 def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatches=None,
@@ -513,22 +556,8 @@ def vectorized_engine(model, loss_fn, x, y, transform, mask=None, num_microbatch
     xu = to_units(x, num_microbatches)
     yu = to_units(y, num_microbatches)
 
-  generators = stateless.random_state(model)
-  check = onednn_enabled()
-  if check and tf.executing_eagerly():  # vectorized_map would run at once: trace it first
-    hazards = onednn_hazards(model, loss_fn, x, y, num_microbatches, variables)
-    if hazards:
-      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
-  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-  first = len(graph.get_operations()) if graph is not None else 0
-  grads, losses, y_pred = _per_unit_gradients(model, loss_fn, xu, yu, variables, generators,
-                                              num_microbatches)
-  if check and graph is not None:  # raised while tracing: nothing has run
-    hazards = onednn_matmul_hazards(graph.get_operations()[first:])
-    if hazards:
-      raise registry_lib.UnsupportedLayerError(describe_onednn_hazards(model, hazards))
-  for gen in generators:  # advance each random stream once per step
-    gen.next()
+  grads, losses, y_pred = checked_unit_gradients(model, loss_fn, x, y, xu, yu, variables,
+                                                 num_microbatches)
   summed, norms, factors = transforms.transform_and_sum(grads, transform, mask)
   return EngineOutput(summed=summed, norms=norms, factors=factors,
                       losses=tf.reshape(losses, [-1]),
