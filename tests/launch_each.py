@@ -104,6 +104,25 @@ def launch_once(tmp_path_factory, name: str, module: str, make_runs, env=None,
       fcntl.flock(held, fcntl.LOCK_UN)
 
 
+def named_runs(tmp_path_factory, name: str, module: str, runs_of, prepare=None, env=None):
+  """A group of launches of ``module`` run in one process, once per pytest session even under
+  xdist (:func:`launch_once`): ``runs_of(folder)`` gives ``[(run name, run)]`` (no side
+  effects), ``prepare(folder)`` writes the data they need, ``env`` as for
+  :func:`launch_once`. Returns ``(folder, {run name: result})``; the tests only read the
+  runs' files under ``folder``."""
+  named = runs_of(shared_dir(tmp_path_factory, name)[0])
+  names = [n for n, _ in named]
+  assert len(set(names)) == len(names), names
+
+  def make_runs(folder):
+    if prepare:
+      prepare(folder)
+    return [r for _, r in named]
+
+  folder, results = launch_once(tmp_path_factory, name, module, make_runs, env=env)
+  return folder, dict(zip(names, results))
+
+
 def checked(result, what: str = "launch"):
   """``result`` if its run exited 0, else an AssertionError with its output (as the
   tests' ``launch(..., check=True)``)."""

@@ -729,17 +729,6 @@ _ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
 _CONFIG = os.path.join(REPO, "configs", "audit", "digits_gradient.cfg")
 
 
-def _runs_once(tmp_path_factory, name, module, runs_of):
-  """``runs_of(folder)`` -> ``[(run name, run)]``: every launch of ``module`` these tests
-  make, in ONE process, once per session (tests/launch_each.py: flags, Keras state and
-  seeds reset between runs, as separate processes). Returns ``(folder, {name: result})``."""
-  from launch_each import launch_once, shared_dir
-  named = runs_of(shared_dir(tmp_path_factory, name)[0])
-  folder, results = launch_once(tmp_path_factory, name, module,
-                                lambda f: [run for _, run in named], env=_ENV)
-  return folder, dict(zip([n for n, _ in named], results))
-
-
 def _audit_runs_of(f):
   common = [f"--flagfile={_CONFIG}", "--num_canaries=200", "--epochs=2", "--width=8",
             "--target_epsilon=8", "--audit_seed=0"]
@@ -755,8 +744,9 @@ def _audit_runs_of(f):
 
 @pytest.fixture(scope="module")
 def audit_runs(tmp_path_factory):
-  return _runs_once(tmp_path_factory, "test_audit_launcher", "tf_dpnsgd.launch.audit",
-                    _audit_runs_of)
+  from launch_each import named_runs  # one process, once per session (tests/launch_each.py)
+  return named_runs(tmp_path_factory, "test_audit_launcher", "tf_dpnsgd.launch.audit",
+                    _audit_runs_of, env=_ENV)
 
 
 @pytest.mark.slow
@@ -821,8 +811,9 @@ def _quickstart_runs_of(f):
 
 @pytest.fixture(scope="module")
 def quickstart_audit_runs(tmp_path_factory):
-  return _runs_once(tmp_path_factory, "test_audit_quickstart", "tf_dpnsgd.launch.quickstart",
-                    _quickstart_runs_of)
+  from launch_each import named_runs
+  return named_runs(tmp_path_factory, "test_audit_quickstart", "tf_dpnsgd.launch.quickstart",
+                    _quickstart_runs_of, env=_ENV)
 
 
 def _check_audit_block(block, claimed, num_canaries, kind):

@@ -10,8 +10,7 @@ import pytest
 
 import fixtures
 from launch_each import checked
-from launch_each import launch_once
-from launch_each import shared_dir
+import launch_each
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -22,21 +21,8 @@ def report(model_dir):
 
 
 def named_runs(tmp_path_factory, name, module, runs_of, prepare=None):
-  """A group of launches of ``module`` run in one process, once per pytest session even under
-  xdist (``tests/launch_each.py``): ``runs_of(folder)`` gives ``[(run name, run)]`` (no side
-  effects), ``prepare(folder)`` writes the data they need. Returns ``(folder, {run name:
-  result})``; the tests only read the runs' files under ``folder``."""
-  named = runs_of(shared_dir(tmp_path_factory, name)[0])
-  names = [n for n, _ in named]
-  assert len(set(names)) == len(names), names
-
-  def make_runs(folder):
-    if prepare:
-      prepare(folder)
-    return [r for _, r in named]
-
-  folder, results = launch_once(tmp_path_factory, name, module, make_runs, env=ENV)
-  return folder, dict(zip(names, results))
+  """:func:`launch_each.named_runs` with this module's environment."""
+  return launch_each.named_runs(tmp_path_factory, name, module, runs_of, prepare, env=ENV)
 
 
 def run_of(runs, name):

@@ -228,15 +228,11 @@ def _bandmf_runs_of(f):
 
 @pytest.fixture(scope="module")
 def quickstart_runs(tmp_path_factory):
-  from launch_each import launch_once
-  from launch_each import shared_dir
-  named = _bandmf_runs_of(shared_dir(tmp_path_factory, "test_launch_correlated")[0])
+  from launch_each import named_runs
   env = lambda f: dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",  # noqa: E731
                        TF_DPNSGD_LINEAGE_DIR=str(f / "lineages"))
-  f, results = launch_once(tmp_path_factory, "test_launch_correlated",
-                           "tf_dpnsgd.launch.quickstart", lambda f: [r for _, r in named],
-                           env=env)
-  return f, dict(zip([n for n, _ in named], results))
+  return named_runs(tmp_path_factory, "test_launch_correlated", "tf_dpnsgd.launch.quickstart",
+                    _bandmf_runs_of, env=env)
 
 
 def seed_in(snapshot, mode, tmp_path):
