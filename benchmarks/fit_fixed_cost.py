@@ -41,12 +41,16 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
 
 #: Named phases of a private fit: ``name -> (file under tf_dpnsgd/, function)``; each
 #: phase's time is the cumulative time of that function in the profile (summed over its
-#: entries, e.g. two classes' methods of one name in one file).
+#: entries, e.g. two classes' methods of one name in one file). A compiled function's phase
+#: is its tracing only (running it is in the caller's); the interaction probe runs eagerly
+#: without tf.distribute, so its phase holds its whole cost.
 PHASES = (
     ("make_private (ledger, lineage, coverage)", "training.py", "make_private"),
     ("  ledger init", "ledger.py", "__init__"),
     ("compile (engine choice, plan resolve)", "training.py", "compile"),
     ("plan + sampler pipeline (per fit)", "owned_plan.py", "fit_arguments"),
+    ("  sampler's tf.data pipeline", "sampling.py", "dataset"),
+    ("  example identities (content digests)", "participation.py", "of_data"),
     ("guarded train function (all calls)", "guard.py", "function"),
     ("  DP step tracing (train_step)", "training.py", "train_step"),
     ("  interaction probe", "interaction.py", "probe"),

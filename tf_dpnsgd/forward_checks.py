@@ -152,7 +152,12 @@ def frozen_forward_losses(model, loss_fn, training=True):
       with stateless.NoStateWrites(model, advance_seeds=False):
         return loss_fn(y, model(x, training=training))
 
-    return tf.function(run, autograph=False)(x, y)
+    function = tf.function(run, autograph=False)
+    # Traced afresh on purpose (frozen seeds: one trace per pass): called eagerly (the
+    # probe with one replica, check_reproducible), TensorFlow's frequent-retracing
+    # detector, keyed on `run`'s code object, would warn after a few passes.
+    function._omit_frequent_tracing_warning = True  # pylint: disable=protected-access
+    return function(x, y)
 
   return forward
 

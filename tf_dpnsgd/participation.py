@@ -157,25 +157,37 @@ class Population:
     digest: :func:`multiset_digest` of them (order-free: the data set).
     layout: a digest of them in order (the data set and its row order: what maps
       examples back to positions; samplers key their memos by it).
+    digests: int64 ``[N]``, :func:`content_digests` of the examples when the
+      identities were derived from them (:meth:`of_data` without ``example_ids``),
+      else None. Row ``i``'s :func:`tf_dpnsgd.rows.row_digests` depends on row ``i``
+      alone, so a sampler tags a row gathered from example ``i`` (not augmented) with
+      ``digests[i]`` instead of digesting it again (the same value).
   """
 
   identities: np.ndarray
   digest: int
   layout: int
+  digests: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
 
   @classmethod
-  def of(cls, identities) -> "Population":
+  def of(cls, identities, digests=None) -> "Population":
     identities = np.asarray(identities, np.int64)
     if np.unique(identities).size != identities.size:
       raise ValueError("Example identities must be distinct.")
+    if digests is not None:
+      digests = np.asarray(digests, np.int64)
+      if digests.shape != identities.shape:
+        raise ValueError(f"{digests.size} content digests for {identities.size} examples.")
     layout = hash(identities.tobytes())
-    return cls(identities, multiset_digest(identities), layout)
+    return cls(identities, multiset_digest(identities), layout, digests)
 
   @classmethod
   def of_data(cls, x, y, example_ids=None) -> "Population":
-    """The identities of ``(x, y)``: content digests (default) or ``example_ids``."""
+    """The identities of ``(x, y)``: content digests (default, kept as :attr:`digests`) or
+    ``example_ids``."""
     if example_ids is None:
-      return cls.of(_unique_identities(content_digests(x, y)))
+      digests = content_digests(x, y)
+      return cls.of(_unique_identities(digests), digests)
     return cls.of(ids_to_identities(example_ids))
 
   @classmethod

@@ -1,6 +1,6 @@
 """Batch samplers that name the dp-accounting event they realise.
 
-This module is long (about 645 lines): the three samplers share one base class (index
+This module is long (about 700 lines): the three samplers share one base class (index
 streams, tags, the ``tf.data`` pipeline), kept in one file with the event each realises.
 
 A privacy claim is only as good as the match between how batches were drawn
@@ -401,13 +401,7 @@ class Sampler:
     # Traced by tf.data on every call (every fit) without AutoGraph: their Python control
     # flow is on static values only (a tensor in an `if` would raise while tracing, never
     # change the graph), and AutoGraph's conversion cost about a third of the trace.
-    @tf.autograph.experimental.do_not_convert
-    def gather(step, idx, mask):
-      return (step, idx, mask, tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t),
-              tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t))
-
-    @tf.autograph.experimental.do_not_convert
-    def tag(step, idx, mask, xb, yb):
+    def tags_of(step, idx, mask, digests):
       tags = {ledger_lib.DP_KIND_KEY: tf.fill([rows], tf.constant(kind, tf.int32)),
               ledger_lib.DP_STEP_KEY: tf.fill([rows], step),
               ledger_lib.DP_SAMPLER_KEY: tf.fill([rows], tf.constant(fingerprint, tf.int64)),
@@ -416,19 +410,39 @@ class Sampler:
               ledger_lib.DP_EXAMPLE_KEY: tf.where(mask, idx, tf.constant(-1, tf.int64)),
               ledger_lib.DP_IDENTITY_KEY: tf.where(mask, tf.gather(identities, idx),
                                                    tf.constant(-1, tf.int64)),
-              ledger_lib.DP_DIGEST_KEY: rows_lib.row_digests((xb, yb), xla=True)}
+              ledger_lib.DP_DIGEST_KEY: digests}
       if with_mask:
         tags[DP_MASK_KEY] = mask
         # Per row (all equal), so that tf.distribute can split it with the batch.
         tags[DP_DENOMINATOR_KEY] = tf.fill([rows], tf.constant(denominator, tf.float32))
-      return xb, yb, tags
+      return tags
 
     if aug is None:
-      batches = indices.map(gather, num_parallel_calls=1, deterministic=True)
+      # Rows leave the sampler as the examples themselves: a row's digest is its example's
+      # content digest, already computed for the population (row_digests depends on the
+      # row alone), so it is gathered, not recomputed; the guard still recomputes it from
+      # the batch it receives. With example_ids there are none: digested here.
+      table = None if population.digests is None else tf.constant(population.digests,
+                                                                   tf.int64)
+
+      @tf.autograph.experimental.do_not_convert
+      def batch(step, idx, mask):
+        xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
+        yb = tf.nest.map_structure(lambda t: tf.gather(t, idx), y_t)
+        digests = (rows_lib.row_digests((xb, yb), xla=True) if table is None
+                   else tf.gather(table, idx))
+        return xb, yb, tags_of(step, idx, mask, digests)
+
+      batches = indices.map(batch, num_parallel_calls=1, deterministic=True)
     else:
+      @tf.autograph.experimental.do_not_convert
+      def tag(step, idx, mask, xb, yb):  # the rows as augmented: digested here
+        return xb, yb, tags_of(step, idx, mask, rows_lib.row_digests((xb, yb), xla=True))
+
       batches = augmentation_lib.per_example_batches(
           indices, x_t, y_t, rows, aug, augmentation_lib.augmentation_key(self.seed))
-    batches = batches.map(tag, num_parallel_calls=1, deterministic=True).prefetch(prefetch)
+      batches = batches.map(tag, num_parallel_calls=1, deterministic=True)
+    batches = batches.prefetch(prefetch)
     return batches if aug is not None else without_autotune(batches)  # augment: AUTOTUNE
 
   @property
@@ -509,9 +523,14 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
   to 4 s on 2 shared cores, at ~4 ms of CPU; ~1 ms with it off: benchmarks/fit_fixed_cost.py). A
   stage with ``tf.data.AUTOTUNE`` chained after it runs at tf.data's default parallelism
   unless the caller turns autotuning on again (``with_options``).
+
+  tf.data's default static rewrites are off too: they only restructure a pipeline (fuse
+  or parallelise maps, drop no-op stages), never change its elements, and this one has
+  nothing for them to do, but they cost ~10 ms of CPU at every iterator (every ``fit``).
   """
   options = tf.data.Options()
   options.autotune.enabled = False
+  options.experimental_optimization.apply_default_optimizations = False
   return dataset.with_options(options)
 
 
