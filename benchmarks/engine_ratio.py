@@ -59,8 +59,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import families  # noqa: E402  (standard library only at import)
 
 BATCHES = {"resnet20": 256, "bert": 32, "scatter_cnn": 512, "scatter_cnn_2views": 512}
+# and benchmarks/families.py's (the support table's families at realistic size)
 ENGINES = {"bookkeeping": "layerwise", "two_pass": "two_pass"}
 
 
@@ -127,7 +129,9 @@ def _floor_functions(model, x, y, loss, jit):
     with tf.GradientTape() as tape:
       tape.watch(inputs)
       value = total()
-    return [tf.convert_to_tensor(g) for g in tape.gradient(value, targets)]
+    # None: a variable the loss does not use (a decoder backbone's untied reverse embedding)
+    return [tf.zeros_like(t) if g is None else tf.convert_to_tensor(g)
+            for g, t in zip(tape.gradient(value, targets), targets)]
 
   compile_ = lambda fn: tf.function(fn, jit_compile=jit)  # noqa: E731
   return {"forward": compile_(total),
@@ -310,7 +314,7 @@ def main(argv=None):
 
   rows = []
   for model_name in args.models.split(","):
-    batch = args.batch or BATCHES[model_name]
+    batch = args.batch or BATCHES.get(model_name) or families.BATCHES[model_name]
     for jit in args.jit.split(","):
       for keep in args.keep_mib.split(","):
         row = {"model": model_name, "jit": jit == "1", "batch": batch, "keep_mib": keep}

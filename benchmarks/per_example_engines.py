@@ -124,6 +124,10 @@ def build(name):
       return views.multi_view(head, num_views) if num_views > 1 else head
 
     return make, x, y, batch
+  import families  # the support table's families at realistic size (benchmarks/families.py)
+
+  if name in families.FAMILIES:
+    return families.build(name)
   raise ValueError(f"unknown model {name!r}")
 
 
