@@ -23,7 +23,8 @@ _DECODER = dict(num_layers=6, num_query_heads=6, num_key_value_heads=2, hidden_d
 BATCHES = {"lstm": 64, "gru": 64, "conv3d": 16, "distilbert": TEXT_BATCH, "roberta": TEXT_BATCH,
            "deberta_v3": TEXT_BATCH, "albert": TEXT_BATCH, "gpt2": TEXT_BATCH,
            "llama": TEXT_BATCH, "mistral": TEXT_BATCH, "gemma": TEXT_BATCH, "vit": 64,
-           "resnet18_hub": 64}
+           "resnet18_hub": 64, "bidirectional_gru": 64, "simple_rnn": 64, "separable": 64,
+           "conv_transpose": 64, "rmsnorm_prelu": 256, "efficientnet_b0": 32}
 FAMILIES = tuple(BATCHES)
 
 
@@ -61,6 +62,50 @@ def build(name):
       return keras.Model(tokens, keras.layers.Dense(2)(h))
 
     return make, rng.integers(1, 20000, size=(batch, SEQ)).astype("int32"), labels(batch), batch
+  if name in ("bidirectional_gru", "simple_rnn"):  # the same IMDB-size classifier
+    batch = BATCHES[name]
+
+    def make():
+      tokens = keras.Input((SEQ,), dtype="int32")
+      h = keras.layers.Embedding(20000, 128)(tokens)
+      h = (keras.layers.Bidirectional(keras.layers.GRU(64)) if name == "bidirectional_gru"
+           else keras.layers.SimpleRNN(128))(h)
+      return keras.Model(tokens, keras.layers.Dense(2)(h))
+
+    return make, rng.integers(1, 20000, size=(batch, SEQ)).astype("int32"), labels(batch), batch
+  if name in ("separable", "conv_transpose"):
+    batch = BATCHES[name]
+
+    def make():
+      images = keras.Input((32, 32, 3))
+      if name == "separable":  # a MobileNet-style Keras stack on 32 x 32
+        h = keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(images)
+        for filters in (64, 128, 128):
+          h = keras.layers.DepthwiseConv2D(3, padding="same", activation="relu")(h)
+          h = keras.layers.GroupNormalization(groups=8)(h)
+          h = keras.layers.SeparableConv2D(filters, 3, strides=2 if filters == 128 else 1,
+                                           padding="same", activation="relu")(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+      else:  # an encoder-decoder whose decoder upsamples with transposed convolutions
+        h = keras.layers.Conv2D(64, 3, strides=2, padding="same", activation="relu")(images)
+        h = keras.layers.Conv2D(128, 3, strides=2, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2DTranspose(64, 3, strides=2, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu")(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+      return keras.Model(images, keras.layers.Dense(10)(h))
+
+    return make, rng.normal(size=(batch, 32, 32, 3)).astype("float32"), labels(batch, 10), batch
+  if name == "rmsnorm_prelu":  # an MLP on 784 features: Dense 512 + RMSNorm + PReLU, x3
+    batch = BATCHES[name]
+
+    def make():
+      features = keras.Input((784,))
+      h = features
+      for _ in range(3):
+        h = keras.layers.PReLU()(keras.layers.RMSNormalization()(keras.layers.Dense(512)(h)))
+      return keras.Model(features, keras.layers.Dense(10)(h))
+
+    return make, rng.normal(size=(batch, 784)).astype("float32"), labels(batch, 10), batch
   if name == "conv3d":  # short clips: 8 frames of 32 x 32 RGB
     batch = BATCHES[name]
 
@@ -134,6 +179,26 @@ def build(name):
           stackwise_num_filters=[64, 128, 256, 512], stackwise_num_blocks=[2, 2, 2, 2],
           stackwise_num_strides=[1, 2, 2, 2], block_type="basic_block",
           image_shape=(64, 64, 3))(images)
+      model = keras.Model(images, keras.layers.Dense(10)(
+          keras.layers.GlobalAveragePooling2D()(h)))
+      return tf_dpnsgd.fix_layers(model)[0]
+
+    return make, rng.normal(size=(batch, 64, 64, 3)).astype("float32"), labels(batch, 10), batch
+  if name == "efficientnet_b0":  # keras-hub EfficientNet-B0's stages ("v1" blocks), 64 x 64
+    import tf_dpnsgd
+    batch = BATCHES[name]
+
+    def make():
+      images = keras.Input((64, 64, 3))
+      h = hub.EfficientNetBackbone(
+          stackwise_width_coefficients=[1.0] * 7, stackwise_depth_coefficients=[1.0] * 7,
+          stackwise_kernel_sizes=[3, 3, 5, 3, 5, 5, 3], stackwise_num_repeats=[1, 2, 2, 3, 3, 4, 1],
+          stackwise_input_filters=[32, 16, 24, 40, 80, 112, 192],
+          stackwise_output_filters=[16, 24, 40, 80, 112, 192, 320],
+          stackwise_expansion_ratios=[1, 6, 6, 6, 6, 6, 6],
+          stackwise_squeeze_and_excite_ratios=[0.25] * 7, stackwise_strides=[1, 2, 2, 2, 1, 2, 1],
+          stackwise_block_types=["v1"] * 7, dropout=0.0, input_shape=(64, 64, 3),
+          num_features=1280)(images)
       model = keras.Model(images, keras.layers.Dense(10)(
           keras.layers.GlobalAveragePooling2D()(h)))
       return tf_dpnsgd.fix_layers(model)[0]
