@@ -79,6 +79,7 @@ def mirrored_by_noise():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("noise", NOISES)
+@pytest.mark.xdist_group("distribute_mirrored")  # one run of its module fixture: one worker
 def test_mirrored_strategy_matches_single_device(noise, mirrored_by_noise):
   r = mirrored_by_noise[noise]
   assert r["replicas"] == 2

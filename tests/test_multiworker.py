@@ -89,6 +89,7 @@ def results(tmp_path_factory):
   return load("single.npz"), [load("worker0.npz"), load("worker1.npz")]
 
 
+@pytest.mark.xdist_group("multiworker_cluster")  # one run of its module fixture: one worker
 def test_two_workers_match_single_process_at_noise_zero(results):
   single, workers = results
   for worker in workers:
@@ -96,6 +97,7 @@ def test_two_workers_match_single_process_at_noise_zero(results):
     dist_checks.assert_same_training(single, worker)
 
 
+@pytest.mark.xdist_group("multiworker_cluster")  # one run of its module fixture: one worker
 def test_two_workers_add_one_noise_draw_per_step(results):
   _, workers = results
   for worker in workers:
@@ -105,6 +107,7 @@ def test_two_workers_add_one_noise_draw_per_step(results):
       np.testing.assert_array_equal(workers[0][key], workers[1][key])
 
 
+@pytest.mark.xdist_group("multiworker_cluster")  # one run of its module fixture: one worker
 def test_workers_with_different_sampler_seeds_all_refuse(results):
   """Plans whose secret sampler seeds differ across workers would draw different global
   batches: plan.dataset refuses on every worker (none is left waiting in a collective)."""
@@ -113,6 +116,7 @@ def test_workers_with_different_sampler_seeds_all_refuse(results):
     assert "differs between the workers" in str(worker["mismatched_seed_refused"])
 
 
+@pytest.mark.xdist_group("multiworker_cluster")  # one run of its module fixture: one worker
 def test_every_fit_compares_seed_and_ledger_step_across_workers(results):
   """Issue 19, scenario 12: per-worker seeds fed through plan.dataset(x, y) without
   model=, and workers whose ledgers stand at different steps, are refused at the start of
