@@ -381,12 +381,13 @@ def linear_loss(y_true, y_pred):
 
 
 def assert_cancelling_uses_stay_within_the_sensitivity(layer, shape, batch, magnitude,
-                                                       randomize):
+                                                       randomize, normalize_too=False):
   """One ``layer`` on ``x`` and ``x (1 + 1e-7)`` (inputs of ``magnitude``) with output
   gradients ``c`` and ``-(1 - 1e-4) c``: each example's gradient nearly cancels. Each
   example's contribution from the layer-wise engine, read off the batch with the others
   masked out, must have norm at most the clip and be within float32 rounding of the
-  float64 tape oracle's (one tape per example). ``randomize(model)`` sets the weights."""
+  float64 tape oracle's (one tape per example). ``randomize(model)`` sets the weights;
+  ``normalize_too``: the normalized contribution is checked as well as the clipped one."""
   import tensorflow as tf
   from tf_dpnsgd import transforms
   from tf_dpnsgd.per_example.layerwise import layerwise_engine
@@ -410,14 +411,18 @@ def assert_cancelling_uses_stay_within_the_sensitivity(layer, shape, batch, magn
                                  for g in tape.gradient(loss, model.trainable_variables)]))
   true_norms = np.linalg.norm(np.stack(grads), axis=1)
   assert np.all(true_norms > 0)
-  transform = transforms.Clip(1e-2 * float(np.median(true_norms)))
-  for i in range(batch):
-    mask = tf.constant(np.arange(batch) == i)
-    out = layerwise_engine(model, linear_loss, x, y_true, transform, mask=mask)
-    got = np.concatenate([s.numpy().astype(np.float64).ravel() for s in out.summed])
-    h = float(out.factors.numpy()[i])
-    assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
-    np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)
+  scale = 1e-2 * float(np.median(true_norms))
+  kinds = (transforms.Clip, transforms.Normalize) if normalize_too else (transforms.Clip,)
+  for transform in (kind(scale) for kind in kinds):
+    for i in range(batch):
+      mask = tf.constant(np.arange(batch) == i)
+      out = layerwise_engine(model, linear_loss, x, y_true, transform, mask=mask)
+      got = np.concatenate([s.numpy().astype(np.float64).ravel() for s in out.summed])
+      h = float(out.factors.numpy()[i])
+      assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
+      # Within float32 rounding of the exact gradient's contribution (relative 2^-24 / 1e-4
+      # of the cancelling uses' size).
+      np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)
 
 
 def half_squared_error(y_true, y_pred):

@@ -22,6 +22,7 @@ from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import choose_engine, layerwise_engine, microbatch_engine
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example.layers import normalization
+import fixtures
 from fixtures import assert_engine_output, normalized_sum_by_loop
 
 R = 0.1  # DP-NSGD regularizer
@@ -161,20 +162,6 @@ def test_subclass_is_not_matched():
 
 # --- cancelling shared uses at magnitude 1e6: the sensitivity still holds ---------------
 
-def _contribution(model, x, y_true, transform, i):
-  """Example ``i``'s contribution to the engine's sum (every other row masked out), and
-  its factor."""
-  mask = tf.constant(np.arange(BATCH) == i)
-  out = layerwise_engine(model, _linear_loss, x, y_true, transform, mask=mask)
-  return (np.concatenate([s.numpy().astype(np.float64).ravel() for s in out.summed]),
-          float(out.factors.numpy()[i]))
-
-
-def _linear_loss(y_true, y_pred):
-  """``<y_true_i, y_pred_i>``: the output gradient is ``y_true`` exactly."""
-  return tf.reduce_sum(tf.cast(y_true, y_pred.dtype) * y_pred, axis=-1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["keras_rms", "llama_rms", "gemma_rms", "prelu",
                                   "prelu_shared_axis"])
@@ -184,34 +171,8 @@ def test_nearly_cancelling_uses_stay_within_the_sensitivity(name):
   contribution to the sum, read off the batch with the others masked out, has norm at
   most the transform's sensitivity, and is within float32 rounding of the true one."""
   make, shape = LAYERS[name]
-  layer = make()
-  a, b = keras.Input(shape), keras.Input(shape)
-  out = keras.layers.Concatenate()([keras.layers.Flatten()(layer(a)),
-                                    keras.layers.Flatten()(layer(b))])
-  model = keras.Model([a, b], out)
-  _randomize(model)
-  rng = np.random.default_rng(3)
-  x1 = (1e6 * rng.normal(size=(BATCH,) + shape)).astype(np.float32)
-  x2 = (x1 * np.float32(1 + 1e-7)).astype(np.float32)
-  c = rng.normal(size=(BATCH, int(np.prod(shape)))).astype(np.float32)
-  y_true = tf.constant(np.concatenate([c, (-(1 - 1e-4) * c).astype(np.float32)], axis=1))
-  x = [tf.constant(x1), tf.constant(x2)]
-  grads = []
-  for i in range(BATCH):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(_linear_loss(y_true[i:i + 1], model([x1[i:i + 1], x2[i:i + 1]])))
-    grads.append(np.concatenate([tape.gradient(loss, v).numpy().astype(np.float64).ravel()
-                                 for v in model.trainable_variables]))
-  true_norms = np.linalg.norm(np.stack(grads), axis=1)
-  assert np.all(true_norms > 0)
-  for transform in (transforms.Clip(1e-2 * float(np.median(true_norms))),
-                    transforms.Normalize(1e-2 * float(np.median(true_norms)))):
-    for i in range(BATCH):
-      got, h = _contribution(model, x, y_true, transform, i)
-      assert np.linalg.norm(got) <= transform.sensitivity * (1 + 1e-6)
-      # Within float32 rounding of the exact gradient's contribution (relative 2^-24 / 1e-4
-      # of the cancelling uses' size).
-      np.testing.assert_allclose(got, h * grads[i], rtol=0, atol=1e-2 * transform.sensitivity)
+  fixtures.assert_cancelling_uses_stay_within_the_sensitivity(make(), shape, BATCH, 1e6,
+                                                              _randomize, normalize_too=True)
 
 
 @pytest.mark.slow
