@@ -109,6 +109,8 @@ def test_launcher_user_example_and_nonprivate_runs_report_their_unit(tmp_path):
   user, example, sgd = reports["user"], reports["example"], reports["sgd"]
   assert user["sampling"] == "user_poisson" and user["epsilon"] <= 8.0 + 1e-6
   assert any("privacy unit is a user" in n for n in user["notes"])
+  for private in (user, example):  # the exact counts the launcher prints are named
+    assert any("bound_diagnostics.json" in item for item in private["not_covered"])
   assert example["sampling"] == "poisson" and example["privacy_unit"] == "example"
   group = example["group_privacy"]  # extra fields sit at the top level
   assert group["rows_per_user"] == 4 and group["epsilon"] <= 8.0 and group["delta"] <= 1e-4

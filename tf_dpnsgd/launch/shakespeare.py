@@ -38,6 +38,7 @@ batches draw OS seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,12 @@ from tf_dpnsgd import users as users_lib
 from tf_dpnsgd.data import shakespeare as shakespeare_data
 from tf_dpnsgd.launch import common
 from tf_dpnsgd.records import RunRecord
+
+#: What this launcher releases outside the epsilon (the report names it).
+COUNTS_NOT_COVERED = (
+    "Counts of the training data: the log line and bound_diagnostics.json give exact numbers "
+    "of roles, rows and rows cut by --max_examples_per_user, computed from the private data "
+    "without noise; not covered by the epsilon (for the data owner, not for release).")
 
 USER_KEY = "role"
 INPUT_KEY = "chars"
@@ -223,6 +230,7 @@ def main(argv):
   if cfg.private:
     report = model.privacy_report()
     record = RunRecord.from_privacy_report(report, **run)
+    record = dataclasses.replace(record, not_covered=record.not_covered + (COUNTS_NOT_COVERED,))
   else:
     record = RunRecord.non_private(steps=int(model.optimizer.iterations.numpy()),
                                    dataset_size=len(y), **run)
