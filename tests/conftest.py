@@ -28,6 +28,16 @@ def pytest_configure(config):
   time_budget.register(config)
 
 
+def pytest_collection_finish(session):
+  """Moves everything alive after the imports and the collection (TensorFlow, Keras,
+  keras-hub: about 450,000 objects) out of the collector's reach: a full collection then
+  walks only what the tests made since. Measured (fast kind, 2026-11-28): gc.collect()
+  0.21 s with the imports alive, 0.6 s at a module's end, 2 microseconds after
+  ``gc.freeze()``. Objects that were alive then stay alive (the imports would anyway)."""
+  gc.collect()
+  gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
   # No gc.collect() per test (about 0.3-0.7 s each with TensorFlow loaded, minutes over
@@ -45,8 +55,19 @@ def pytest_runtest_teardown(item, nextitem):
   ``user_properties`` as :data:`time_budget.MODULE_TEARDOWN`, which the quick tier's
   budget does not charge to the test."""
   result = yield
-  time_budget.run_module_cleanup(item, nextitem, gc.collect)
+  time_budget.run_module_cleanup(item, nextitem, _collect_and_freeze)
   return result
+
+
+def _collect_and_freeze():
+  """A full collection, then what survived it out of the next ones' reach (see
+  ``pytest_collection_finish``): each module's collection walks only what was made since
+  the last one (0.35-0.7 s -> well under 0.1 s a module, fast kind, 2026-11-28). What
+  survives a module is the session's (fixtures, TensorFlow's caches); a module-scoped
+  fixture of a module interleaved by xdist that dies later is freed by its reference
+  count, and only a cycle in it stays until the worker exits."""
+  gc.collect()
+  gc.freeze()
 
 
 @pytest.fixture(autouse=True)
