@@ -42,6 +42,7 @@ from tf_dpnsgd.per_example import (choose_engine, layerwise_engine, microbatch_e
                                    resolve_engine, vectorized, vectorized_engine)
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example.layers import conv as conv_rules
+import tiers
 
 RTOL = 1e-5
 CLIP = transforms.Clip(0.5)
@@ -182,11 +183,11 @@ EINSUM = [  # (equation, input shape, output shape, bias_axes)
 ]
 
 
-@pytest.mark.parametrize("engine", [vectorized_engine, layerwise_engine],
-                         ids=["vectorized", "layerwise"])
-@pytest.mark.parametrize("equation,in_shape,out_shape,bias", EINSUM,
-                         ids=[f"{e}|{b}" for e, _, _, b in EINSUM])
-def test_einsum_dense_bias_matches_loop(engine, equation, in_shape, out_shape, bias):
+@pytest.mark.parametrize("case,engine", tiers.quick_cover(
+    EINSUM, [vectorized_engine, layerwise_engine],
+    ids=[[f"{e}|{b}" for e, _, _, b in EINSUM], ["vectorized", "layerwise"]]))
+def test_einsum_dense_bias_matches_loop(case, engine):
+  equation, in_shape, out_shape, bias = case
   model = head_model(keras.layers.EinsumDense(equation, out_shape, bias_axes=bias,
                                               activation="tanh"), in_shape)
   if engine is vectorized_engine and vectorized.onednn_enabled() and \

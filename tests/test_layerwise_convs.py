@@ -28,6 +28,7 @@ from tf_dpnsgd.per_example import (UnsupportedLayerError, choose_engine, factore
                                    layerwise_engine, microbatch_engine, two_pass_engine)
 from tf_dpnsgd.per_example.layers import conv, conv_more
 import fixtures
+import tiers
 
 L = keras.layers
 R = 0.1  # DP-NSGD regularizer
@@ -104,10 +105,12 @@ def _check(model, x, y, engine=layerwise_engine, mask=None):
                                                loss=_loss)
 
 
-# Cases Keras compiles with XLA on CPU (seconds each) run at one magnitude.
+# Cases Keras compiles with XLA on CPU (seconds each) run at one magnitude, in the full
+# suite only (conv3d_same keeps the Conv3D rule in the quick tier); the others at both
+# magnitudes, each layer at one of them in the quick tier (tests/tiers.py).
 _XLA = ("conv3d_channels_first", "conv3d_groups")
-CASES = [(name, magnitude) for name in sorted(LAYERS) for magnitude in (1.0, 1e6)
-         if name not in _XLA or magnitude == 1e6]
+CASES = (tiers.quick_cover(sorted(set(LAYERS) - set(_XLA)), (1.0, 1e6))
+         + [pytest.param(name, 1e6, marks=pytest.mark.slow) for name in _XLA])
 
 
 @pytest.mark.parametrize("name,magnitude", CASES)

@@ -23,6 +23,7 @@ from tf_dpnsgd.per_example import choose_engine, layerwise_engine, microbatch_en
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example.layers import normalization
 import fixtures
+import tiers
 from fixtures import assert_engine_output, normalized_sum_by_loop
 
 R = 0.1  # DP-NSGD regularizer
@@ -94,8 +95,7 @@ def _check(model, x, y, engine=layerwise_engine):
   return out
 
 
-@pytest.mark.parametrize("magnitude", [1.0, 1e6])
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name,magnitude", tiers.quick_cover(sorted(LAYERS), [1.0, 1e6]))
 def test_rule_matches_the_per_example_loop(name, magnitude):
   make, shape = LAYERS[name]
   model = _model(make(), shape)

@@ -25,6 +25,7 @@ from tf_dpnsgd import step as step_lib
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import layerwise
 from tf_dpnsgd.per_example import units
+import tiers
 
 K = 3
 # Slots of K rows: user 0 has 1 row, user 1 has K rows, user 2 has 2 rows, then a padding
@@ -104,11 +105,9 @@ def _assert_close(got, want, rtol=2e-5):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
-@pytest.mark.parametrize("magnitude", [1.0, 1e6], ids=["m1", "m1e6"])
-@pytest.mark.parametrize("kind", ["dense", "conv"])
-@pytest.mark.parametrize("transform", [transforms.Normalize(0.01), transforms.Clip(0.5)],
-                         ids=["normalize", "clip"])
+@pytest.mark.parametrize("transform,kind,magnitude,engine", tiers.quick_cover(
+    [transforms.Normalize(0.01), transforms.Clip(0.5)], ["dense", "conv"], [1.0, 1e6],
+    ["layerwise", "vectorized"], ids=[["normalize", "clip"], None, ["m1", "m1e6"], None]))
 def test_all_at_once_units_equal_a_loop_over_users(kind, magnitude, transform, engine):
   model, x, y = _batch(kind, magnitude)
   summed, norms, factors, unit_mask, losses = _engine_sum(model, x, y, transform, engine)
@@ -211,8 +210,8 @@ def test_a_nearly_cancelling_user_at_1e6_stays_within_the_sensitivity(transform,
                              rtol=1e-3)
 
 
-@pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
-@pytest.mark.parametrize("kind", ["dense", "conv"])
+@pytest.mark.parametrize("kind,engine", tiers.quick_cover(["dense", "conv"],
+                                                          ["layerwise", "vectorized"]))
 def test_replacing_one_whole_user_moves_the_sum_by_at_most_the_bound(kind, engine):
   transform = transforms.Normalize(1e-6)  # S = 1: replace-one bound 2
   model, x, y = _batch(kind, 1.0, seed=5)
