@@ -57,9 +57,12 @@ def _single_unit_norms(model, x, y, unit):
   return np.array(norms)
 
 
+# Quick tier: each engine once, microbatches and physical batches once each.
 @pytest.mark.parametrize("engine,num_microbatches,physical", [
-    ("vectorized", None, None), ("layerwise", None, None), ("microbatch", None, None),
-    ("vectorized", 4, None), ("microbatch", 4, None), ("layerwise", None, 6)])
+    ("vectorized", None, None), ("layerwise", None, None),
+    pytest.param("microbatch", None, None, marks=pytest.mark.slow),
+    pytest.param("vectorized", 4, None, marks=pytest.mark.slow),
+    ("microbatch", 4, None), ("layerwise", None, 6)])
 def test_update_rule_is_andrew_et_al_geometric_update_at_noise_0(engine, num_microbatches,
                                                                    physical):
   rng = np.random.default_rng(0)
