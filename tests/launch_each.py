@@ -104,6 +104,31 @@ def launch_once(tmp_path_factory, name: str, module: str, make_runs, env=None,
       fcntl.flock(held, fcntl.LOCK_UN)
 
 
+def once_per_session(tmp_path_factory, name: str, compute):
+  """``compute(folder)`` run ONCE per pytest session even under xdist, as
+  :func:`launch_once` runs a launcher group (a worker that needs it while another computes
+  it waits; a failed ``compute`` is tried again by the next caller, which then fails with
+  its error). ``compute`` writes its results under ``folder`` and returns a JSON-able
+  value; every caller gets ``(folder, value)`` and must only read ``folder``.
+
+  For a module-scoped fixture of subprocesses (a multi-worker cluster): pytest tears a
+  module fixture down whenever its worker runs another module in between, and xdist
+  interleaves modules, so the fixture itself may run twice."""
+  folder, lock = shared_dir(tmp_path_factory, name)
+  done = folder / "once_per_session.json"
+  with open(lock, "w") as held:
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+      if not done.exists():
+        if folder.exists():
+          shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        done.write_text(json.dumps({"value": compute(folder)}))
+      return folder, json.loads(done.read_text())["value"]
+    finally:
+      fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def named_runs(tmp_path_factory, name: str, module: str, runs_of, prepare=None, env=None):
   """A group of launches of ``module`` run in one process, once per pytest session even under
   xdist (:func:`launch_once`): ``runs_of(folder)`` gives ``[(run name, run)]`` (no side

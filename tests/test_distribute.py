@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import dist_checks
+from launch_each import once_per_session
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -72,9 +73,12 @@ NOISES = (0.0, 2.0)
 
 
 @pytest.fixture(scope="module")
-def mirrored_by_noise():
-  """Both noise levels of the test below from one subprocess (was one process each)."""
-  return dict(zip(NOISES, run_mirrored_cases([(noise, {}) for noise in NOISES])))
+def mirrored_by_noise(tmp_path_factory):
+  """Both noise levels of the test below from one subprocess (was one process each), once
+  per pytest session (``launch_each.once_per_session``)."""
+  _, cases = once_per_session(tmp_path_factory, "distribute_mirrored",
+                              lambda _: run_mirrored_cases([(noise, {}) for noise in NOISES]))
+  return dict(zip(NOISES, cases))
 
 
 @pytest.mark.slow

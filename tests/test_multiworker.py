@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import dist_checks
+from launch_each import once_per_session
 
 # two worker processes and a reference process (about 1 min)
 pytestmark = pytest.mark.slow
@@ -80,11 +81,16 @@ def _worker_envs(n: int = 2) -> list:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("multiworker")
-  commands = [([sys.executable, SCRIPT, "single", str(tmp / "single.npz")], _base_env())]
-  for i, env in enumerate(_worker_envs()):
-    commands.append(([sys.executable, SCRIPT, "worker", str(tmp / f"worker{i}.npz")], env))
-  _run_cluster(commands, "the 2-worker cluster")
+  """The cluster's runs, once per pytest session (``launch_each.once_per_session``: the
+  module fixture alone ran twice in CI, 60 s + 58 s, when xdist interleaved modules)."""
+  def run(tmp):
+    commands = [([sys.executable, SCRIPT, "single", str(tmp / "single.npz")], _base_env())]
+    for i, env in enumerate(_worker_envs()):
+      commands.append(([sys.executable, SCRIPT, "worker", str(tmp / f"worker{i}.npz")], env))
+    _run_cluster(commands, "the 2-worker cluster")
+    return None
+
+  tmp, _ = once_per_session(tmp_path_factory, "multiworker_cluster", run)
   load = lambda name: dict(np.load(tmp / name))  # noqa: E731
   return load("single.npz"), [load("worker0.npz"), load("worker1.npz")]
 
