@@ -5,7 +5,7 @@ Usage (from the repository root)::
 
     python benchmarks/gpu.py                          # full sizes; meant for a GPU
     python benchmarks/gpu.py --cifar_data_dir=$HOME/data --cifar_steps=200
-    python benchmarks/gpu.py --smoke                  # tiny shapes on a CPU (CI runs it)
+    python benchmarks/gpu.py --smoke                  # tiny shapes on a CPU, all 8 rows
     bash benchmarks/gpu.sh --smoke                    # the same through the shell wrapper
 
 Rows: {ResNet20-GN, batch 1000, 32x32x3; BERT-base size (hidden 768, 12
@@ -381,6 +381,9 @@ def main(argv=None):
   parser.add_argument("--models", default=",".join(MODELS))
   parser.add_argument("--xla", default="off,on", help="off,on | off | on")
   parser.add_argument("--precisions", default=",".join(PRECISIONS))
+  parser.add_argument("--rows", default="",
+                      help="explicit rows MODEL:off|on:float32|mixed, comma-separated, instead "
+                           "of the product of --models, --xla and --precisions")
   parser.add_argument("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
   parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (2; smoke 1)")
   parser.add_argument("--cifar_steps", type=int, default=None,
@@ -408,8 +411,17 @@ def main(argv=None):
       print("RESULT " + json.dumps(row), flush=True)
     return 0
 
-  specs = [f"{m}:{x}:{p}" for m in args.models.split(",") for x in args.xla.split(",")
-           for p in args.precisions.split(",")]
+  if args.rows:
+    specs = args.rows.split(",")
+    for spec in specs:
+      parts = spec.split(":")
+      if (len(parts) != 3 or parts[0] not in MODELS or parts[1] not in ("off", "on")
+          or parts[2] not in PRECISIONS):
+        parser.error(f"--rows: {spec!r} is not MODEL:off|on:PRECISION with MODEL in "
+                     f"{MODELS} and PRECISION in {PRECISIONS}")
+  else:
+    specs = [f"{m}:{x}:{p}" for m in args.models.split(",") for x in args.xla.split(",")
+             for p in args.precisions.split(",")]
   if args.cifar_steps > 0:
     specs.append("cifar")
   # One process per row (a clean allocator and peak RSS); --smoke measures nothing, so its
