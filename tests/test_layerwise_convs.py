@@ -7,10 +7,9 @@ Rules under test (``tf_dpnsgd/per_example/layers/conv_more.py``, ``conv.py``): K
 ``Conv2DTranspose`` / ``Conv3DTranspose`` (``ConvOuter`` of the output gradient and the
 input).
 
-Oracles: the microbatch engine (one example at a time, ``tf_dpnsgd.per_example.microbatch``)
-for the normalized and the clipped sum, and :func:`fixtures.normalized_sum_by_loop` (one
-``tf.GradientTape`` per example, the DP-NSGD sum in float64 numpy), which shares no code with
-either engine. Inputs go up to magnitude 1e6, each rule is also used twice in one model (its
+Oracle: :func:`fixtures.check_rule_against_the_loops` (one ``tf.GradientTape`` per example,
+the normalized and the clipped sums and factors in float64 numpy), which shares no code
+with the engines. Inputs go up to magnitude 1e6, each rule is also used twice in one model (its
 uses' per-example gradients add up), masked rows must contribute zero, and an example whose
 two uses nearly cancel stays within the sensitivity.
 """

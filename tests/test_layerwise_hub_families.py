@@ -10,8 +10,8 @@ RoBERTa and ALBERT need no new rule: their layers are ``Embedding``/``Reversible
 ``PositionEmbedding``, ``EinsumDense``, ``Dense``, ``LayerNormalization``;
 ``tests/test_model_zoo.py`` checks one step of each.)
 
-Oracles as in ``tests/test_layerwise_vit.py``: the microbatch engine (one example at a time
-through keras-hub's own layer) and the float64 loop of per-example tapes. Tiny backbones
+Oracle as in ``tests/test_layerwise_vit.py``: the float64 loop of per-example tapes through
+keras-hub's own layers (``fixtures.check_rule_against_the_loops``). Tiny backbones
 built from config (width 8, one block, 4 relative buckets); nothing is downloaded.
 """
 

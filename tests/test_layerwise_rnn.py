@@ -6,9 +6,8 @@ with one ``tf.scan``, the input projections ``xz = x W + b`` of all steps probed
 example ``kernel: sum_t x_t (x) dz_t``, ``recurrent_kernel: sum_t h_{t-1} (x) dz_t`` (GRU:
 ``[dz_z, dz_r, r dz_h]`` with ``reset_after``, ``2 T`` positions without), ``bias: sum_t dz_t``.
 
-Oracles: the microbatch engine (one example at a time through Keras' own layer) for the
-normalized and the clipped sum, and :func:`fixtures.normalized_sum_by_loop` (one
-``tf.GradientTape`` per example, the DP-NSGD sum in float64 numpy). Inputs go up to
+Oracle: :func:`fixtures.check_rule_against_the_loops` (one ``tf.GradientTape`` per example
+through Keras' own layer, the normalized and the clipped sums and factors in float64 numpy). Inputs go up to
 magnitude 1e6; padding masks come from ``Embedding(mask_zero=True)`` (left, right and fully
 padded rows); a layer used twice adds its uses; an example whose two uses nearly cancel stays
 within the sensitivity; the rule's forward output is the layer's.

@@ -7,8 +7,8 @@ the output gradient at position 0, the position table's the output gradient per 
 With it every variable of a ``ViTBackbone`` has a rule and ``"auto"`` picks the layer-wise
 engine.
 
-Oracles as in ``tests/test_layerwise_convs.py``: the microbatch engine (one example at a
-time through keras-hub's own layer) and the float64 loop of per-example tapes. Tiny
+Oracle as in ``tests/test_layerwise_convs.py``: the float64 loop of per-example tapes
+through keras-hub's own layers (``fixtures.check_rule_against_the_loops``). Tiny
 backbones built from config (8x8 images, 4x4 patches, width 8, one block); nothing is
 downloaded.
 """
