@@ -9,6 +9,7 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from tf_dpnsgd import accounting as acc
+import tiers
 
 R = dp_accounting.NeighboringRelation
 DELTA = 1e-5
@@ -31,8 +32,8 @@ def direct_pld(event, relation, delta=DELTA):
 # ---------------------------------------------------------------------------
 # Oracle: dp-accounting directly, on a grid of (sigma, q, steps).
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("sigma", [0.8, 2.0])
-@pytest.mark.parametrize("batch_size", [10, 200, 2000])  # q = 0.001, 0.02, 0.2 of N = 10000
+# q = 0.001, 0.02, 0.2 of N = 10000; every q and every sigma in the quick tier.
+@pytest.mark.parametrize("batch_size,sigma", tiers.quick_cover([10, 200, 2000], [0.8, 2.0]))
 def test_poisson_rdp_matches_dp_accounting(sigma, batch_size):
   n = 10000
   q = batch_size / n

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpnsgd.models import scattering as sc
+import tiers
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "scattering_kymatio.npz")
 
@@ -25,8 +26,8 @@ def _kymatio_layout(y, channels, h, w):
   return y.reshape(len(y), h, w, channels, -1).transpose(0, 3, 4, 1, 2)
 
 
-@pytest.mark.parametrize("jit_compile", [True, False])
-@pytest.mark.parametrize("case", ["cifar", "j3l6", "order1"])
+@pytest.mark.parametrize("case,jit_compile", tiers.quick_cover(["cifar", "j3l6", "order1"],
+                                                               [True, False]))
 def test_matches_kymatio(case, jit_compile):
   data = np.load(FIXTURE)
   x, expected = data[f"{case}_x"], data[f"{case}_s"].astype(np.float64)
