@@ -86,22 +86,14 @@ def launch_once(tmp_path_factory, name: str, module: str, make_runs, env=None,
   ``(folder, results)``; the tests read the runs' files under ``folder`` and must not
   change them. A group whose process failed is run again by the next test needing it
   (which then fails as well, with the process's output)."""
-  folder, lock = shared_dir(tmp_path_factory, name)
-  done = folder / "launch_each_results.json"
-  with open(lock, "w") as held:
-    fcntl.flock(held, fcntl.LOCK_EX)
-    try:
-      if not done.exists():
-        if folder.exists():
-          shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        runs = make_runs(folder)
-        results = launch_each(module, runs, env=env(folder) if callable(env) else env,
-                              timeout=timeout)
-        done.write_text(json.dumps([vars(r) for r in results]))
-      return folder, [types.SimpleNamespace(**r) for r in json.loads(done.read_text())]
-    finally:
-      fcntl.flock(held, fcntl.LOCK_UN)
+  def compute(folder):
+    runs = make_runs(folder)
+    results = launch_each(module, runs, env=env(folder) if callable(env) else env,
+                          timeout=timeout)
+    return [vars(r) for r in results]
+
+  folder, results = once_per_session(tmp_path_factory, name, compute)
+  return folder, [types.SimpleNamespace(**r) for r in results]
 
 
 def once_per_session(tmp_path_factory, name: str, compute):
