@@ -228,20 +228,15 @@ def tiny_image_model(input_shape=(8, 8, 3), num_classes=3, name="tiny_cnn"):
 
 def normalized_sum_by_loop(variables, example_loss, num_examples: int, r: float):
   """Oracle for a DP-NSGD engine: each example's gradient from its own tape of
-  ``example_loss(i)``, its norm, and ``sum_i g_i / (r + ||g_i||)`` (float64).
+  ``example_loss(i)`` (:func:`per_example_gradients_by_loop`), its norm, and
+  ``sum_i g_i / (r + ||g_i||)`` (float64).
 
   Returns:
     ``(norms, summed)``: a list of ``num_examples`` floats, a list of arrays shaped like
     ``variables``.
   """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   norms, summed = [], [np.zeros(v.shape) for v in variables]
-  for i in range(num_examples):
-    with tf.GradientTape() as tape:
-      loss = example_loss(i)
-    grads = [np.zeros(v.shape) if g is None else  # None: a variable the loss does not use
-             tf.convert_to_tensor(g).numpy().astype(np.float64)
-             for g, v in zip(tape.gradient(loss, variables), variables)]
+  for grads in per_example_gradients_by_loop(variables, example_loss, num_examples):
     norm = float(np.sqrt(sum(np.sum(g**2) for g in grads)))
     norms.append(norm)
     summed = [s + g / (r + norm) for s, g in zip(summed, grads)]
