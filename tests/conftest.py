@@ -1,4 +1,13 @@
 import os
+import sys
+
+# Bytecode caches (gitignored __pycache__) even where PYTHONDONTWRITEBYTECODE is set, here and
+# in every process the session starts (xdist workers, launchers, benchmarks): without them each
+# of those compiles tf_dpnsgd anew and pytest rewrites every test module's asserts anew, about
+# 3.6 s of each worker's 9.3 s collection (fast kind, 2026-11-28). Python and pytest check each
+# cache against its source's mtime and size, so an edited file is compiled again.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+  sys.dont_write_bytecode = False
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -17,7 +26,6 @@ os.environ.setdefault("XLA_FLAGS",
 
 import gc  # noqa: E402
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
 
 import time_budget  # noqa: E402
@@ -33,13 +41,21 @@ def pytest_collection_finish(session):
   keras-hub: about 450,000 objects) out of the collector's reach: a full collection then
   walks only what the tests made since. Measured (fast kind, 2026-11-28): gc.collect()
   0.21 s with the imports alive, 0.6 s at a module's end, 2 microseconds after
-  ``gc.freeze()``. Objects that were alive then stay alive (the imports would anyway)."""
+  ``gc.freeze()``. Objects that were alive then stay alive (the imports would anyway).
+  Keras is imported here at the latest (this runs only where tests were collected: not in
+  the controlling process of ``-n 2``), so that its import is collection time, charged to
+  no test's budget."""
+  import keras  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   gc.collect()
   gc.freeze()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
+  # Keras is imported here, in the processes that run tests, not at this file's import: the
+  # controlling process of ``-n 2`` loads this file too and never needs TensorFlow (its import
+  # there delayed every worker's start by about 5 s, fast kind, 2026-11-28).
+  import keras  # pylint: disable=import-outside-toplevel
   # No gc.collect() per test (about 0.3-0.7 s each with TensorFlow loaded, minutes over
   # the suite): Keras' global state and TF's graph are still reset; see _collect_garbage.
   keras.backend.clear_session(free_memory=False)

@@ -110,6 +110,7 @@ def test_a_quick_test_over_budget_fails_the_xdist_session_by_name(tmp_path):
   assert "test_marked_slow" not in text.split("quick-tier time budget exceeded")[1], text
 
 
+@pytest.mark.slow  # a child pytest session: CI only (issue 47)
 def test_the_budget_can_be_switched_off(tmp_path):
   out = _inner_session(tmp_path, budget="off")
   assert out.returncode == pytest.ExitCode.OK, out.stdout + out.stderr
@@ -123,6 +124,7 @@ def test_a_session_within_budget_passes_and_prints_its_slowest_phase(tmp_path):
                    r"\(call\) 0\.[5-9] s", out.stdout), out.stdout
 
 
+@pytest.mark.slow  # a child pytest session: CI only (issue 47)
 def test_a_modules_clean_up_is_not_charged_to_its_last_test(tmp_path):
   # The clean-up after the module's last test (test_sleepy, one process) sleeps 2 s against
   # a 1 s budget: not charged, while the 0.5 s test itself still counts (the slowest phase).
@@ -130,3 +132,56 @@ def test_a_modules_clean_up_is_not_charged_to_its_last_test(tmp_path):
   assert out.returncode == pytest.ExitCode.OK, out.stdout + out.stderr
   assert re.search(r"slowest phase test_inner.py::test_sleepy \(call\) 0\.[5-9] s",
                    out.stdout), out.stdout
+
+
+def test_the_calibration_travels_from_worker_gw0_to_the_controller():
+  """Under xdist the controller takes gw0's calibration (it never measures one itself unless
+  no worker sent one); the other workers measure nothing."""
+  class Config:
+    def __init__(self, workerid=None):
+      self.pluginmanager = Plugins()
+      if workerid:
+        self.workerinput, self.workeroutput = {"workerid": workerid}, {}
+
+  class Plugins:
+    def __init__(self):
+      self.plugins = {}
+
+    def register(self, plugin, name):
+      self.plugins[name] = plugin
+
+  workers = {w: Config(w) for w in ("gw0", "gw1")}
+  for config in workers.values():
+    time_budget.register(config)
+  assert list(workers["gw1"].pluginmanager.plugins) == []
+  (measuring,) = workers["gw0"].pluginmanager.plugins.values()
+  measuring._measure = lambda: 0.25
+  measuring.pytest_sessionfinish(session=None)
+  assert workers["gw0"].workeroutput == {time_budget.WORKER_OUTPUT: 0.25}
+
+  measured_here = []
+  budget = time_budget.TimeBudget(100, measure=lambda: measured_here.append(1) or 9.0)
+  assert budget.calibration_s is None  # nothing measured at the start
+  for config in workers.values():
+    budget.pytest_testnodedown(node=type("Node", (), {"workeroutput": config.workeroutput}),
+                               error=None)
+  budget.phases = [Phase("t::a", "call", 20.0)]   # 80 units of gw0's 0.25 s: within budget
+
+  class Session:
+    exitstatus = pytest.ExitCode.OK
+
+  budget.pytest_sessionfinish(Session())
+  assert (budget.calibration_s, budget.over, measured_here) == (0.25, [], [])
+  alone = time_budget.TimeBudget(100, measure=lambda: 0.5)  # no worker: measured at the end
+  alone.pytest_sessionfinish(Session())
+  assert alone.calibration_s == 0.5
+
+
+def test_the_controllers_conftest_does_not_import_tensorflow():
+  """The controlling process of ``-n 2`` loads tests/conftest.py: importing TensorFlow
+  there delays every worker's start (about 8 s with the calibration, fast kind)."""
+  code = ("import sys; sys.path.insert(0, %r); import conftest; "
+          "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, "
+          "sorted(m for m in sys.modules if m.startswith(('tensorflow', 'keras')))[:5]" % TESTS)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr[-2000:]

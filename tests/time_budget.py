@@ -3,17 +3,21 @@
 Every phase (setup, call, teardown) of a test without the ``slow`` mark must
 take at most :data:`MULTIPLE` calibration units (``tests/calibration.py``: the
 median time of a fixed small TensorFlow workload on this machine, measured
-once per session in the controlling process). A phase over the budget fails
+once per session: by the first xdist worker after its tests, else by the process that ran
+the tests, at the end). A phase over the budget fails
 the session with a section naming the test, its time, the calibration and the
 multiple; the fix is to make the test cheaper or to mark it ``slow`` (the full
 suite still runs it). Since the unit scales with the machine's TensorFlow
 kernels, one multiple holds on the fast and the slow machine kinds.
 
 Under pytest-xdist the durations reach the controller through
-``pytest_runtest_logreport``, so the plugin runs there only (``tests/conftest.py``
-registers it). Before failing, the calibration is measured again and the
-larger of the two is used, so that load that arrived during the session does
-not fail it on its own.
+``pytest_runtest_logreport``, so the plugin runs there (``tests/conftest.py``
+registers it); the calibration comes from worker ``gw0``'s output
+(:class:`WorkerCalibration`), so that the controller never imports TensorFlow: it used to
+import it and calibrate before starting the workers, about 8 s of a quick tier's wall time
+on the fast kind, spent before any test could start (2026-11-28). Before failing, the
+calibration is measured again and the larger of the two is used, so that load that arrived
+during the session does not fail it on its own.
 
 Environment:
 
@@ -43,6 +47,8 @@ MULTIPLE = 300.0
 ENV_BUDGET = "TF_DPNSGD_TEST_BUDGET"
 ENV_CALIBRATION = "TF_DPNSGD_TEST_CALIBRATION"
 PHASES = ("setup", "call", "teardown")
+#: ``workeroutput`` key under which worker ``gw0`` hands its calibration to the controller.
+WORKER_OUTPUT = "tf_dpnsgd_calibration_s"
 #: A teardown report's ``user_properties`` key: seconds of that teardown spent on the whole
 #: module's clean-up (``tests/conftest.py``), not charged to the test.
 MODULE_TEARDOWN = "module_teardown_s"
@@ -123,13 +129,21 @@ class TimeBudget:
   def __init__(self, multiple: float, measure: Callable[[], float] = measure):
     self.multiple = multiple
     self._measure = measure
-    self.calibration_s = measure()
+    self.calibration_s: Optional[float] = None  # at the end: from gw0, else measured here
     self.phases: list[Phase] = []
     self.over: list[Phase] = []
 
   def pytest_report_header(self):
-    return (f"{calibration.line(self.calibration_s)}; quick-tier budget {self.multiple:g} units "
-            f"= {self.multiple * self.calibration_s:.1f} s per phase ({ENV_BUDGET}=off disables)")
+    return (f"machine: {calibration.machine_kind()}; quick-tier budget {self.multiple:g} "
+            f"calibration units per phase, the calibration measured after the tests "
+            f"({ENV_BUDGET}=off disables)")
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_testnodedown(self, node, error):
+    """xdist: a worker is done; ``gw0``'s output carries the calibration it measured."""
+    value = (getattr(node, "workeroutput", None) or {}).get(WORKER_OUTPUT)
+    if value is not None:
+      self.calibration_s = float(value)
 
   def pytest_runtest_logreport(self, report):
     if report.when in PHASES and "slow" not in report.keywords:
@@ -137,6 +151,8 @@ class TimeBudget:
 
   @pytest.hookimpl(tryfirst=True)
   def pytest_sessionfinish(self, session):
+    if self.calibration_s is None:  # no xdist, or gw0 gave none (it crashed): measure here
+      self.calibration_s = self._measure()
     if not over_budget(self.phases, self.calibration_s, self.multiple):
       return
     # Measured again before failing: load that arrived mid-session slows the tests and the
@@ -167,10 +183,27 @@ class TimeBudget:
         f"the check).")
 
 
+class WorkerCalibration:
+  """In xdist worker ``gw0``: measures the calibration after the worker's tests (under the
+  load of the other worker's last tests, as the tests ran) and puts it in the output that
+  xdist sends to the controller when the worker finishes."""
+
+  def __init__(self, config, measure: Callable[[], float] = measure):
+    self._config = config
+    self._measure = measure
+
+  def pytest_sessionfinish(self, session):
+    self._config.workeroutput[WORKER_OUTPUT] = self._measure()
+
+
 def register(config) -> None:
-  """Registers :class:`TimeBudget` in the controlling process, unless disabled."""
-  if hasattr(config, "workerinput"):  # an xdist worker: the controller sees every report
-    return
+  """Registers :class:`TimeBudget` in the controlling process (or the only one), and
+  :class:`WorkerCalibration` in xdist worker ``gw0``, unless the budget is disabled."""
   multiple = budget_multiple()
-  if multiple is not None:
-    config.pluginmanager.register(TimeBudget(multiple), "tf_dpnsgd_time_budget")
+  if multiple is None:
+    return
+  if hasattr(config, "workerinput"):  # an xdist worker: the controller sees every report
+    if config.workerinput.get("workerid") == "gw0":
+      config.pluginmanager.register(WorkerCalibration(config), "tf_dpnsgd_worker_calibration")
+    return
+  config.pluginmanager.register(TimeBudget(multiple), "tf_dpnsgd_time_budget")
