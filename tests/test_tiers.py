@@ -22,3 +22,9 @@ def test_every_value_of_every_axis_is_quick_and_the_rest_is_slow(sizes):
   assert len(quick) == max(sizes)
   for i, axis in enumerate(axes):
     assert {q[i] for q in quick} == set(axis)
+
+
+def test_quick_only_keeps_the_named_values_quick_and_all_values_in_order():
+  cases = tiers.quick_only([3, 1, 2], [1, 2])
+  assert [c.values for c in cases] == [(3,), (1,), (2,)]
+  assert [[m.name for m in c.marks] for c in cases] == [["slow"], [], []]

@@ -55,3 +55,22 @@ def quick_cover(*axes: Sequence, ids: Sequence | None = None) -> list:
     case_id = "-".join(name(axis, names, i) for axis, names, i in zip(axes, ids, index))
     cases.append(pytest.param(*values, marks=marks, id=case_id))
   return cases
+
+
+def quick_only(values: Sequence, quick: Sequence) -> list:
+  """``values`` as cases of a one-axis parametrization where only those in ``quick`` stay in
+  the quick tier; the others carry the ``slow`` mark (the full suite still runs them all).
+  A value named in ``quick`` but absent from ``values`` is an error (a renamed case would
+  otherwise leave the quick tier silently).
+
+  >>> [c.marks != () for c in quick_only(["a", "b", "c"], ["b"])]
+  [True, False, True]
+  >>> quick_only(["a"], ["z"])
+  Traceback (most recent call last):
+  ...
+  ValueError: quick_only: ['z'] not among the values
+  """
+  missing = [q for q in quick if q not in values]
+  if missing:
+    raise ValueError(f"quick_only: {missing} not among the values")
+  return [pytest.param(v, marks=() if v in quick else (pytest.mark.slow,)) for v in values]
