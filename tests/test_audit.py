@@ -682,6 +682,38 @@ def test_harness_d_noise_repeated_in_two_branches_is_caught():
   assert control.fdp.epsilon_lower_bound <= claimed
 
 
+def test_a_small_white_box_audit_reports_its_plans_epsilon_and_draws_its_scores(tmp_path):
+  """The quick tier's audit run end to end (issue 47: the m = 1000 harness below is CI only):
+  a tiny toy training with 40 Dirac canaries, its report and its histogram."""
+  from tf_dpnsgd import plots as plots_lib
+  from tf_dpnsgd.audit import plots
+  keras.utils.set_random_seed(0)
+  x, y = _toy(120, d=4)
+  sigma, batch, steps, delta = 2.0, 30, 4, 1e-5
+  report = audit.run_canary_audit(
+      lambda: _toy_model(d=4, width=4), (x, y), num_classes=2, canary_kind="gradient",
+      num_canaries=40, batch_size=batch, steps=steps, noise_multiplier=sigma, delta=delta,
+      make_optimizer=lambda s: tf_dpnsgd.DPSGD(learning_rate=0.5, l2_norm_clip=1.0,
+                                               noise_multiplier=s, seed=1),
+      gradient_norm=100.0, audit_seed=0, sampler_seed=0)
+  d = report.to_dict()
+  json.dumps(d)
+  assert (d["num_canaries"], d["canary_kind"], report.steps) == (40, "gradient", steps)
+  assert len(d["scores_in"]) + len(d["scores_out"]) == 40
+  # The claim is the plan's epsilon for the steps taken, over the real rows and the canaries
+  # the coins put in.
+  assert report.dataset_size == 120 + len(d["scores_in"])
+  plan = PrivacyPlan(dataset_size=120 + len(d["scores_in"]), batch_size=batch,
+                     sampling="poisson", steps=steps, noise_multiplier=sigma, delta=delta)
+  assert report.epsilon_claimed == pytest.approx(plan.epsilon(steps), rel=1e-9)
+  assert 0.0 <= report.epsilon_lower_bound <= report.epsilon_claimed
+  meta = plots.score_histogram(str(tmp_path / "s.png"), report.scores, report.included,
+                               report.epsilon_claimed, report.epsilon_lower_bound)
+  assert plots_lib.read_annotations(str(tmp_path / "s.png")) == meta
+  assert f"{report.epsilon_claimed:.3g}" in meta["title"]
+
+
+@pytest.mark.slow  # a harness run at m = 1000 with its figure: CI only (issue 47)
 def test_harness_report_and_figure(tmp_path):
   from tf_dpnsgd import plots as plots_lib
   from tf_dpnsgd.audit import plots
@@ -932,6 +964,7 @@ def test_canary_audit_not_covered_lists_what_reads_private_rows_outside_the_mech
   assert len(canary_audit.not_covered(spec(num_canaries=10, kind="input", baseline=True))) == 2
 
 
+@pytest.mark.slow  # a child process: CI only (issue 47)
 def test_audit_launcher_refuses_momentum_for_adam_variants():
   """--momentum is SGD momentum: the audit launcher refused nothing and dropped it for
   dpadam/dpnadam (a child process: the launcher defines absl flags at import)."""

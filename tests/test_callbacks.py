@@ -86,7 +86,7 @@ def test_epsilon_in_logs_history_tensorboard_and_planned_stop(tmp_path):
   assert model.privacy_ledger.steps == 12
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize("steps_per_execution", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_budget_stop_never_crosses_the_budget(steps_per_execution):
   plan = PrivacyPlan(dataset_size=N, batch_size=B, sampling="uniform", steps=100,
                      noise_multiplier=2.0, delta=1e-5, seed=2)

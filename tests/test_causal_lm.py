@@ -155,8 +155,8 @@ def _assert_step_matches_loop(name, make, model=None):
 
 
 # --- (1) one DP step against the per-sequence loop ----------------------------------------
-# Llama in the quick tier (GPT-2 is there through the padding and LoRA tests below, whose
-# LoRA step is checked against the loop too); GPT-2's full step and Gemma in the full suite.
+# Llama in the quick tier (on right-padded rows, each sequence's gradient taken alone); GPT-2's
+# full step, its padding and LoRA tests, and Gemma in the full suite (issue 47).
 @pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama",
                                   pytest.param("gemma", marks=pytest.mark.slow)])
 def test_one_dp_step_matches_the_per_sequence_loop(name):
@@ -180,6 +180,7 @@ def test_per_example_loss_is_the_mean_over_the_sequence_labelled_tokens():
 
 
 # --- (2) padding contributes nothing ------------------------------------------------------
+@pytest.mark.slow  # CI only (issue 47)
 def test_token_ids_under_padding_do_not_change_the_step():
   x, y = _batch()
   other = dict(x)
@@ -211,6 +212,7 @@ def test_token_ids_under_padding_do_not_change_the_step():
 
 
 # --- (3) LoRA: only what keras-hub leaves trainable moves ---------------------------
+@pytest.mark.slow  # the LoRA rule stays quick in test_lora.py: CI only (issue 47)
 def test_lora_step_matches_the_loop_and_moves_only_what_keras_hub_leaves_trainable():
   keras.utils.set_random_seed(0)
   model = gpt2()

@@ -22,6 +22,8 @@ import tf_dpnsgd
 from tf_dpnsgd.ledger import LedgerMismatchError
 from tf_dpnsgd.plan import PrivacyPlan
 
+import tiers
+
 N, B, DELTA = 40, 8, 1e-5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -312,7 +314,8 @@ def test_weights_move_between_a_private_model_and_its_plain_twin(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("how", ["keras", "weights", "checkpoint"])
+# quick tier: the .keras file (every path x model kind: test_save_paths_matrix.py, CI)
+@pytest.mark.parametrize("how", tiers.quick_only(["keras", "weights", "checkpoint"], ["keras"]))
 def test_the_ledger_travels_with_every_save_path(tmp_path, how):
   x, y = toy_data()
   plan = plan_("uniform")

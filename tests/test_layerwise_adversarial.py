@@ -30,6 +30,8 @@ import tensorflow as tf
 from tf_dpnsgd import transforms
 from tf_dpnsgd.per_example import layerwise_engine
 
+import tiers
+
 MAGNITUDES = (1e2, 1e4, 1e6)
 DELTA = 1e-4  # relative mismatch of the two uses' output gradients
 BATCH = 6
@@ -440,8 +442,9 @@ def test_upper_norms_round_up():
   np.testing.assert_allclose(norms[finite], np.sqrt(squared[finite]), rtol=3e-7)
 
 
-@pytest.mark.parametrize("name", ["dense_siamese_ghost", "conv_siamese_ghost",
-                                  "tied_embedding_lookup_and_projection"])
+@pytest.mark.parametrize("name", tiers.quick_only(  # quick: one (issue 47)
+    ["dense_siamese_ghost", "conv_siamese_ghost", "tied_embedding_lookup_and_projection"],
+    ["tied_embedding_lookup_and_projection"]))
 def test_recomputation_in_a_traced_graph(name):
   """The float64 fallback (tf.while_loop / tf.cond over recomputed units) inside tf.function."""
   model, inputs, y_true, grads = _setup(name, 1e4)

@@ -169,6 +169,7 @@ def test_two_passes_and_microbatches_match_the_loop():
       np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # make_private on convolutions (the rules stay quick): CI only (issue 47)
 def test_one_dp_step_through_make_private_matches_the_loop():
   """``make_private`` with ``"auto"`` (the layer-wise engine, traced) makes the DP-NSGD and
   DP-SGD steps at noise 0 that one float64 tape per example gives (until 2026-11-28 the

@@ -130,10 +130,12 @@ def test_rule_matches_the_per_example_loop(name, magnitude):
 
 
 @pytest.mark.filterwarnings("ignore:.*does not support masking")  # Flatten after the RNN
-@pytest.mark.parametrize("name", ["simple_rnn_sequences", "lstm_sequences_backwards",
-                                  "lstm_state_implementation_1", "gru_reset_after_sequences",
-                                  "gru_reset_before_no_bias_backwards",
-                                  "rnn_gru_cell_zero_output", "bidirectional_lstm"])
+# quick tier: one LSTM and one GRU (backwards, the harder mask); the rest in CI (issue 47)
+@pytest.mark.parametrize("name", tiers.quick_only(
+    ["simple_rnn_sequences", "lstm_sequences_backwards", "lstm_state_implementation_1",
+     "gru_reset_after_sequences", "gru_reset_before_no_bias_backwards",
+     "rnn_gru_cell_zero_output", "bidirectional_lstm"],
+    ["lstm_sequences_backwards", "gru_reset_before_no_bias_backwards"]))
 def test_padding_masks_match_the_per_example_loop(name):
   """Masked steps (``mask_zero=True``) keep the states and repeat (or zero) the output; the
   rule reproduces the outputs and their gradients, fully padded rows included."""
@@ -145,8 +147,9 @@ def test_padding_masks_match_the_per_example_loop(name):
                              atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["lstm_last", "gru_reset_before", "gru_reset_after_sequences",
-                                  "simple_rnn_sequences"])
+@pytest.mark.parametrize("name", tiers.quick_only(
+    ["lstm_last", "gru_reset_before", "gru_reset_after_sequences", "simple_rnn_sequences"],
+    ["lstm_last"]))  # quick tier: one; all in CI (issue 47)
 def test_layer_used_twice_adds_its_uses(name):
   model = _model(LAYERS[name](), twice=True)
   _scale_input_kernels(model, 1e-6)
@@ -200,6 +203,7 @@ def test_masked_rows_contribute_zero():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # the other engines on RNNs: CI only (issue 47)
 def test_two_passes_and_microbatches_match_the_loop():
   model = _mixed()
   y = _data()[1]
@@ -221,6 +225,7 @@ def _dynamic_length():
   return model
 
 
+@pytest.mark.slow  # make_private on RNNs (the rules stay quick): CI only (issue 47)
 def test_dp_steps_through_make_private_match_the_loop():
   """``make_private`` with ``"auto"`` (the layer-wise engine, traced: the variable-use check
   runs on the graph) makes the DP-NSGD steps at noise 0 that the float64 loop oracle gives:
@@ -247,7 +252,8 @@ def test_dp_steps_through_make_private_match_the_loop():
 
 @pytest.mark.parametrize("make,magnitude", [
     (lambda: L.SimpleRNN(3, activation="linear", return_sequences=True), 1e6),
-    (lambda: L.GRU(3, reset_after=False), 1.0)], ids=["linear_simple_rnn", "gru_reset_before"])
+    pytest.param(lambda: L.GRU(3, reset_after=False), 1.0, marks=pytest.mark.slow)],
+    ids=["linear_simple_rnn", "gru_reset_before"])
 def test_nearly_cancelling_uses_stay_within_the_sensitivity(make, magnitude):
   """One layer on ``x`` and ``x (1 + 1e-7)`` with output gradients ``c`` and
   ``-(1 - 1e-4) c``: the per-example gradient nearly cancels (its examples are recomputed in

@@ -78,7 +78,9 @@ def test_the_rule_is_registered_under_keras_hubs_class():
       vision.VIT_PATCHING_AND_EMBEDDING
 
 
-@pytest.mark.parametrize("class_token,magnitude", [(True, 1.0), (True, 1e6), (False, 1.0)])
+@pytest.mark.parametrize("class_token,magnitude", [  # quick: one (issue 47)
+    pytest.param(True, 1.0, marks=pytest.mark.slow), (True, 1e6),
+    pytest.param(False, 1.0, marks=pytest.mark.slow)])
 def test_vit_backbone_matches_the_per_example_loop(class_token, magnitude):
   model = _classifier(use_class_token=class_token)
   engine, why = choose_engine(model)
@@ -104,6 +106,7 @@ def test_layer_used_twice_and_masked_rows():
   np.testing.assert_array_equal(out.factors.numpy()[[1, 3]], 0.0)
 
 
+@pytest.mark.slow  # make_private on a ViT (its rules stay quick): CI only (issue 47)
 def test_one_dp_step_through_make_private_matches_the_loop():
   """``make_private`` with ``"auto"`` (layer-wise, traced) against the float64 loop."""
   model = _classifier()

@@ -209,7 +209,7 @@ AUTO_ENGINE = {
     "albert": _LAYERWISE, "resnet": _LAYERWISE, "efficientnet": _LAYERWISE,
 }
 
-QUICK = ("lstm", "dense_rmsnorm_prelu", "conv2d_transpose")
+QUICK = ("lstm",)  # the quick tier: one (issue 47); every model in CI
 CASES = [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow)
          for name in MODELS]
 

@@ -22,6 +22,11 @@ def strict(text):
   return json.loads(text, parse_constant=refuse)
 
 
+# The calibration below takes about 2 s: its tests share one worker (``--dist loadgroup``) so
+# that it runs once per session, not once per worker (issue 47).
+pytestmark = pytest.mark.xdist_group("records_calibration")
+
+
 @functools.lru_cache(maxsize=None)
 def calibrated_report():
   # Calibrated with bound="min": the report has every optional key (optimal_bound, ...).

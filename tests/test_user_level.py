@@ -154,7 +154,8 @@ def test_the_host_check_refuses_two_users_in_a_unit_and_one_user_in_two():
 
 
 # --- the step: exact against a loop over users ---------------------------------------
-@pytest.mark.parametrize("transform", [transforms.Normalize(0.01), transforms.Clip(0.5)],
+@pytest.mark.parametrize("transform", [  # quick: DP-NSGD's (issue 47); clipping in CI
+    transforms.Normalize(0.01), pytest.param(transforms.Clip(0.5), marks=pytest.mark.slow)],
                          ids=["normalize", "clip"])
 def test_the_step_sums_each_users_bounded_mean_gradient_exactly(transform):
   x, y, ids = _data()

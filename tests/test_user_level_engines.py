@@ -119,6 +119,7 @@ def test_all_at_once_units_equal_a_loop_over_users(kind, magnitude, transform, e
   assert np.all(np.isfinite(losses.numpy()[:3 * K]))
 
 
+@pytest.mark.slow  # engine against engine; against the float64 oracle stays quick: CI only (issue 47)
 @pytest.mark.parametrize("engine", ["layerwise", "two_pass", "vectorized"])
 def test_all_at_once_units_equal_the_loop_engine(engine):
   model, x, y = _batch("dense", 1.0, seed=4)
@@ -143,6 +144,7 @@ def test_the_vectorized_units_run_eagerly_too():
   assert out.y_pred.shape == (USERS.size, 2)
 
 
+@pytest.mark.slow  # CI only (issue 47)
 def test_vectorized_slots_draw_their_own_dropout_masks_and_advance_each_step():
   keras.utils.set_random_seed(0)
   inputs = keras.Input((3,))
@@ -160,7 +162,8 @@ def test_vectorized_slots_draw_their_own_dropout_masks_and_advance_each_step():
   assert not np.array_equal(first, second)  # and a new draw each step
 
 
-@pytest.mark.parametrize("engine", ["loop", "layerwise", "vectorized"])
+@pytest.mark.parametrize("engine", tiers.quick_only(["loop", "layerwise", "vectorized"],
+                                                    ["layerwise"]))  # quick: one (issue 47)
 def test_a_user_with_a_non_finite_row_adds_exactly_zero(engine):
   model, x, y = _batch("dense", 1.0, seed=8)
   x[np.flatnonzero(USERS == 2)[0]] = np.inf  # a REAL row of user 2
@@ -281,6 +284,7 @@ def test_an_explicit_engine_gets_its_user_level_form_exact_through_the_step(per_
   _assert_close(out.summed, _oracle(model, x, y, transform))
 
 
+@pytest.mark.slow  # a user-level fit stays quick in test_user_level.py: CI only (issue 47)
 def test_a_user_level_fit_runs_on_the_vectorized_engine():
   rng = np.random.default_rng(11)
   uid = np.repeat(np.arange(5), [1, 3, 2, 4, 1])

@@ -14,6 +14,7 @@ import pytest
 import xdist
 
 
+@pytest.mark.slow  # a child pytest session guarding CI's own command: CI only (issue 47)
 def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
   (tmp_path / "pytest.ini").write_text("[pytest]\n")
   (tmp_path / "test_inner.py").write_text(textwrap.dedent(f"""
