@@ -2,10 +2,11 @@ import os
 import sys
 
 # Bytecode caches (gitignored __pycache__) even where PYTHONDONTWRITEBYTECODE is set, here and
-# in every process the session starts (xdist workers, launchers, benchmarks): without them each
-# of those compiles tf_dpnsgd anew and pytest rewrites every test module's asserts anew, about
-# 3.6 s of each worker's 9.3 s collection (fast kind, 2026-11-28). Python and pytest check each
-# cache against its source's mtime and size, so an edited file is compiled again.
+# in every process the session starts (xdist workers, launchers, child pytest sessions):
+# without them every collection rewrites every test module's asserts anew, about 3.6 s of
+# each worker's 9.3 s collection (fast kind, 2026-11-28; compiling tf_dpnsgd itself is about
+# 0.15 s of a launcher's 5 s start). Python and pytest check each cache against its source's
+# mtime and size, so an edited file is compiled again.
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
   sys.dont_write_bytecode = False
 
