@@ -39,7 +39,6 @@ that several tests share)::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -47,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import types
+
+import file_lock
 
 MARKER = "LAUNCH_EACH_RESULTS "
 
@@ -108,17 +109,13 @@ def once_per_session(tmp_path_factory, name: str, compute):
   interleaves modules, so the fixture itself may run twice."""
   folder, lock = shared_dir(tmp_path_factory, name)
   done = folder / "once_per_session.json"
-  with open(lock, "w") as held:
-    fcntl.flock(held, fcntl.LOCK_EX)
-    try:
-      if not done.exists():
-        if folder.exists():
-          shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        done.write_text(json.dumps({"value": compute(folder)}))
-      return folder, json.loads(done.read_text())["value"]
-    finally:
-      fcntl.flock(held, fcntl.LOCK_UN)
+  with file_lock.exclusive(lock):
+    if not done.exists():
+      if folder.exists():
+        shutil.rmtree(folder)
+      folder.mkdir(parents=True)
+      done.write_text(json.dumps({"value": compute(folder)}))
+    return folder, json.loads(done.read_text())["value"]
 
 
 def named_runs(tmp_path_factory, name: str, module: str, runs_of, prepare=None, env=None):

@@ -30,8 +30,6 @@ Environment:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import tempfile
 import time
@@ -40,6 +38,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 import pytest
 
 import calibration
+import file_lock
 
 #: Calibration units one phase of a quick-tier test may take. Chosen from the quick tier on
 #: the fast kind (2026-11-28, docs/testing.md): the slowest phase took 7-12 s at calibrations
@@ -56,6 +55,8 @@ MULTIPLE = 150.0
 ENV_BUDGET = "TF_DPNSGD_TEST_BUDGET"
 ENV_CALIBRATION = "TF_DPNSGD_TEST_CALIBRATION"
 PHASES = ("setup", "call", "teardown")
+#: The file lock that keeps the workers' calibrations from overlapping.
+CALIBRATION_LOCK = os.path.join(tempfile.gettempdir(), "tf_dpnsgd_test_calibration.lock")
 #: ``workeroutput`` key under which each xdist worker hands its calibration to the controller.
 WORKER_OUTPUT = "tf_dpnsgd_calibration_s"
 #: A teardown report's ``user_properties`` key: seconds of that teardown spent on the whole
@@ -196,22 +197,11 @@ class TimeBudget:
         f"the check).")
 
 
-@contextlib.contextmanager
-def one_at_a_time(name: str):
-  """An exclusive lock on a file named ``name`` in the temporary directory: the workers (of
-  this session and of any other running) calibrate one after the other, never two at once
-  (overlapping calibrations on 2 cores measured 0.196 s where one alone takes 0.045 s)."""
-  with open(os.path.join(tempfile.gettempdir(), name), "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 class WorkerCalibration:
   """In each xdist worker: measures the calibration after the worker's tests, never while
-  another worker of the session measures (:func:`one_at_a_time`), and puts it in the output
+  another worker (of this session or any other running) measures: two overlapping
+  calibrations on 2 cores measured 0.196 s where one alone takes 0.045 s (a file lock,
+  :data:`CALIBRATION_LOCK`). The value goes into the output
   that xdist sends to the controller when the worker finishes (about 1.5 s a worker on the
   fast kind, against the controller's 7.5 s before any worker started)."""
 
@@ -220,7 +210,7 @@ class WorkerCalibration:
     self._measure = measure
 
   def pytest_sessionfinish(self, session):
-    with one_at_a_time("tf_dpnsgd_test_calibration.lock"):
+    with file_lock.exclusive(CALIBRATION_LOCK):
       self._config.workeroutput[WORKER_OUTPUT] = self._measure()
 
 
