@@ -134,10 +134,12 @@ def test_a_modules_clean_up_is_not_charged_to_its_last_test(tmp_path):
                    out.stdout), out.stdout
 
 
-def test_the_calibration_travels_from_the_workers_to_the_controller_smallest_first():
+def test_the_calibration_travels_from_the_workers_to_the_controller_smallest_first(
+    monkeypatch):
   """Under xdist each worker measures the calibration after its tests and the controller
   keeps the smallest (the last worker measured on idle cores); the controller measures
   nothing unless no worker sent one."""
+  monkeypatch.delenv(time_budget.ENV_BUDGET, raising=False)  # registered even if run with it off
   class Plugins:
     def __init__(self):
       self.plugins = {}
