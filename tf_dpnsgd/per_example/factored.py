@@ -68,8 +68,8 @@ which clamped negative estimates to 0). So:
    ill-conditioned (``A_u > CONDITION_LIMIT ||g_u||``: its terms cancel) has its
    gradient materialised in float64, one unit at a time
    (:meth:`Representation.unit_gradient64`, error ``<= gamma(T) A_u``), and its
-   bound recomputed from it. Only such units pay for this (a ``tf.cond`` skips
-   it when there are none).
+   bound recomputed from it. Only such units pay for this (one ``tf.while_loop``
+   over their indices: zero iterations when there are none).
 3. **The sum uses what the norm measured.** Units recomputed in step 2 are
    taken out of the float32 book-keeping sum (factor 0, rows zeroed) and added
    from their float64 gradients instead: a float32 sum of their cancelling
@@ -350,19 +350,17 @@ def certify(estimate: Estimate, unit_gradient64) -> tuple[tf.Tensor, tf.Tensor]:
     ``(bounds, recomputed)``: ``[U]`` float64, ``[U]`` bool.
   """
   bound, suspect = _bound_and_suspects(estimate)
-  units = tf.shape(bound)[0]
+  # One loop over the suspect units only (none, usually: zero iterations). No tf.cond around
+  # it or inside it: each cond's two branch functions are traced and instantiated on their own,
+  # per variable, which was most of a small model's first-step cost.
+  indices = tf.cast(tf.where(suspect)[:, 0], tf.int32)
 
-  def recompute():
-    def body(u, bounds):
-      def materialized():
-        g, err = unit_gradient64(u)
-        return tf.tensor_scatter_nd_update(bounds, [[u]], [materialized_bound(g, err)])
+  def body(j, bounds):
+    u = indices[j]
+    g, err = unit_gradient64(u)
+    return j + 1, tf.tensor_scatter_nd_update(bounds, [[u]], [materialized_bound(g, err)])
 
-      return u + 1, tf.cond(suspect[u], materialized, lambda: bounds)
-
-    return tf.while_loop(lambda u, _: u < units, body, (tf.constant(0), bound))[1]
-
-  bound = tf.cond(tf.reduce_any(suspect), recompute, lambda: tf.identity(bound))
+  bound = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), bound))[1]
   # Unreachable for a correct bound; drop the unit (NaN norm -> factor 0) rather than clamp.
   bound = tf.where(bound < 0.0, tf.fill(tf.shape(bound), tf.constant(math.nan, tf.float64)),
                    bound)
@@ -469,11 +467,9 @@ def sum_with_recomputed(raw_weighted_sum, recomputed, factors: tf.Tensor) -> tf.
 
   def add_exact():
     def body(j, acc):
-      def add():
-        g, _ = subset.unit_gradient64(j)
-        return acc + tf.cast(h[j], tf.float64) * tf.reshape(g, tf.shape(acc))
-
-      return j + 1, tf.cond(h[j] > 0, add, lambda: acc)
+      g, _ = subset.unit_gradient64(j)
+      added = acc + tf.cast(h[j], tf.float64) * tf.reshape(g, tf.shape(acc))
+      return j + 1, tf.where(h[j] > 0, added, acc)  # factor 0: exactly acc, whatever g holds
 
     acc = runtime_zeros(tf.shape(fast), tf.float64)
     acc = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), acc))[1]
@@ -948,17 +944,14 @@ def materialized_units(rep: Representation, num_units: int) -> Materialized:
   _, suspect = _bound_and_suspects(rep.estimate())
   grads = rep.per_unit64() if hasattr(rep, "per_unit64") else tf.cast(rep.per_unit(), tf.float64)
 
-  def recompute():
-    def body(u, grads):
-      def exact():
-        g, _ = rep.unit_gradient64(u)
-        return tf.tensor_scatter_nd_update(grads, [[u]], [tf.reshape(g, tf.shape(grads)[1:])])
+  indices = tf.cast(tf.where(suspect)[:, 0], tf.int32)  # one loop over these only (see certify)
 
-      return u + 1, tf.cond(suspect[u], exact, lambda: grads)
+  def body(j, grads):
+    u = indices[j]
+    g, _ = rep.unit_gradient64(u)
+    return j + 1, tf.tensor_scatter_nd_update(grads, [[u]], [tf.reshape(g, tf.shape(grads)[1:])])
 
-    return tf.while_loop(lambda u, _: u < tf.shape(grads)[0], body, (tf.constant(0), grads))[1]
-
-  grads = tf.cond(tf.reduce_any(suspect), recompute, lambda: tf.identity(grads))
+  grads = tf.while_loop(lambda j, _: j < tf.size(indices), body, (tf.constant(0), grads))[1]
   grads = tf.reshape(grads, tf.concat([[num_units, -1], tf.shape(grads)[1:]], axis=0))
   return Materialized(tf.cast(tf.reduce_sum(grads, axis=1), tf.float32))
 
