@@ -373,6 +373,87 @@ def test_calibration_matches_dp_accounting_and_is_tight():
   assert acc.epsilon_for(spec, sigma - tol, steps, DELTA) > target
 
 
+# A grid with the costly large integer orders of the default one, at a tenth of its size.
+MIXED_ORDERS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 14.0,
+                16.0, 20.0, 24.0, 28.0, 32.0, 48.0, 64.0, 128.0, 256.0, 512.0)
+
+
+def oracle_poisson_epsilon(q, sigma, steps, orders, delta=DELTA):
+  """dp-accounting alone: every order, the modern conversion."""
+  accountant = dp_accounting.rdp.RdpAccountant(list(orders))
+  accountant.compose(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+  return accountant.get_epsilon(delta)
+
+
+def reference_bisection(epsilon, target, tolerance):
+  """The documented search, every step on the full grid: doubling from 1, halving, bisection;
+  the upper end of the final bracket. Returns it and the number of evaluations."""
+  calls = []
+
+  def meets(sigma):
+    calls.append(sigma)
+    return epsilon(sigma) <= target
+
+  hi = 1.0
+  while not meets(hi):
+    hi *= 2.0
+  lo = hi / 2.0
+  while meets(lo):
+    hi, lo = lo, lo / 2.0
+  while hi - lo > tolerance:
+    mid = 0.5 * (lo + hi)
+    hi, lo = (mid, lo) if meets(mid) else (hi, mid)
+  return hi, len(calls)
+
+
+def count_full_grid_evaluations(monkeypatch, orders):
+  from tf_dpnsgd.accounting import rdp as rdp_module  # pylint: disable=import-outside-toplevel
+  rdp_module._rdp_of_event.cache_clear()
+  calls = []
+  inner = rdp_module._rdp_of_event
+
+  def counting(event, relation, grid):
+    calls.append(len(grid) == len(orders))
+    return inner(event, relation, grid)
+
+  monkeypatch.setattr(rdp_module, "_rdp_of_event", counting)
+  return calls
+
+
+@pytest.mark.parametrize("grid", tiers.quick_only(["mixed", "default"], quick=["mixed"]))
+def test_calibration_is_the_full_grid_bisection_with_fewer_full_evaluations(grid, monkeypatch):
+  n, b, steps, target, tol = 20000, 200, 500, 2.0, 1e-3
+  spec = acc.make_spec(n, b, "poisson", orders=MIXED_ORDERS if grid == "mixed" else None)
+  calls = count_full_grid_evaluations(monkeypatch, spec.rdp_orders)
+  sigma = acc.calibrate_noise_multiplier(spec, target, steps, DELTA, tolerance=tol)
+  expected, evaluations = reference_bisection(
+      lambda s: oracle_poisson_epsilon(b / n, s, steps, spec.rdp_orders), target, tol)
+  assert sigma == expected  # the same decision at every step, so the same bracket
+  full = sum(calls)
+  assert 0 < full < evaluations, (full, evaluations)
+  assert oracle_poisson_epsilon(b / n, sigma, steps, spec.rdp_orders) <= target
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(sampling="poisson", orders=MIXED_ORDERS),
+    dict(sampling="poisson", orders=MIXED_ORDERS, conversion="classic"),
+    dict(sampling="uniform", orders=SMALL_ORDERS, bound="min"),
+    dict(sampling="shuffle", orders=SMALL_ORDERS),
+])
+def test_a_few_orders_never_settle_a_target_the_full_grid_misses(kwargs):
+  # The adversary's target sits just below the full grid's epsilon, and the window is
+  # centred anywhere on the grid (a stale optimum): the shortcut must never say "yes".
+  spec = acc.make_spec(20000, 200, **kwargs)
+  for sigma in (0.6, 1.0, 3.0):
+    full = acc.epsilon_for(spec, sigma, 300, DELTA)
+    for order in spec.rdp_orders:
+      assert not acc.within_target_on_few_orders(spec, sigma, 300, DELTA,
+                                                  math.nextafter(full, 0.0), order)
+    optimum = acc.StepAccountant(spec, sigma, DELTA).report(300).optimal_order
+    assert acc.within_target_on_few_orders(spec, sigma, 300, DELTA, full, optimum)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     dict(sampling="uniform", orders=SMALL_ORDERS),

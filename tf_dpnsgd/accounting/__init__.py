@@ -61,7 +61,8 @@ from tf_dpnsgd.accounting.rdp import (RdpCurve, common_orders, composed_rdp, mon
                                       validate_conversion, validate_curve, worst_case_rdp)
 from tf_dpnsgd.accounting.report import (PrivacyReport, StepAccountant, compute_epsilon,
                                          epsilon_for)
-from tf_dpnsgd.accounting.calibration import calibrate, calibrate_noise_multiplier
+from tf_dpnsgd.accounting.calibration import (calibrate, calibrate_noise_multiplier,
+                                              within_target_on_few_orders)
 from tf_dpnsgd.accounting.adaptive import (adaptive_clipping_event,
                                            default_clipped_count_stddev,
                                            effective_noise_multiplier, gradient_noise_multiplier,
@@ -75,7 +76,7 @@ __all__ = [
     "DEFAULT_ORDERS", "example_level_for_group", "group_privacy_epsilon", "NEIGHBORING_RELATIONS", "NeighboringRelation", "PAPER_CONDITIONS",
     "PAPER_CONSTANT", "PAPER_MAX_RHO", "PAPER_MAX_SAMPLING_RATIO", "PaperBoundConditionError",
     "PrivacyReport", "RdpCurve", "SAMPLINGS", "StepAccountant", "UnsupportedAccountingError",
-    "WOR_ORDERS", "calibrate", "calibrate_noise_multiplier", "classic_epsilon", "common_orders",
+    "WOR_ORDERS", "calibrate", "calibrate_noise_multiplier", "within_target_on_few_orders", "classic_epsilon", "common_orders",
     "composed_rdp", "compute_epsilon", "epsilon_for", "make_spec", "modern_epsilon",
     "monotone_rdp", "paper_bound_conditions", "paper_order_limit", "paper_rho",
     "paper_subsampled_gaussian_rdp", "rdp_curve", "rdp_to_delta", "rdp_to_epsilon",
