@@ -25,6 +25,16 @@ os.environ.setdefault("TF_DPNSGD_ALLOCATOR", "system")
 os.environ.setdefault("XLA_FLAGS",
                       "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
+# dp-accounting's RDP curves shared by every process of the session (workers, launchers): a
+# launcher calibrates its plan anew in each process, 10-20 curves of 0.1-0.4 s each, and many
+# runs calibrate the same plans (tf_dpnsgd/accounting/curve_cache.py: exact values under an
+# exact key; tests/test_curve_cache.py checks it). The controller makes the directory (the
+# workers inherit the variable) and removes it at the end; a user's own directory wins.
+_RDP_CACHE_MADE = None
+if not os.environ.get("TF_DPNSGD_RDP_CACHE"):
+  import tempfile  # noqa: E402
+  _RDP_CACHE_MADE = os.environ["TF_DPNSGD_RDP_CACHE"] = tempfile.mkdtemp(prefix="tf_dpnsgd_rdp_")
+
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
@@ -35,6 +45,12 @@ import time_budget  # noqa: E402
 def pytest_configure(config):
   # The quick tier's time budget in calibration units (tests/time_budget.py).
   time_budget.register(config)
+
+
+def pytest_unconfigure(config):
+  if _RDP_CACHE_MADE:
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(_RDP_CACHE_MADE, ignore_errors=True)
 
 
 def pytest_collection_finish(session):

@@ -37,6 +37,7 @@ import dp_accounting
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
+from tf_dpnsgd.accounting import curve_cache
 from tf_dpnsgd.accounting.conversions import CONVERTERS
 from tf_dpnsgd.accounting.paper_bound import (PaperBoundConditionError, paper_bound_conditions,
                                               paper_conditions_message, paper_order_limit,
@@ -84,7 +85,17 @@ def _dp_accounting_rdp(spec: AccountingSpec, noise_multiplier: float,
 
 @functools.lru_cache(maxsize=512)
 def _rdp_of_event(event, neighboring_relation, orders: tuple) -> tuple[tuple, tuple]:
-  """dp-accounting's RDP of one ``event`` at ``orders`` (immutable, so the memo is safe)."""
+  """dp-accounting's RDP of one ``event`` at ``orders`` (immutable, so the memo is safe).
+
+  With ``TF_DPNSGD_RDP_CACHE`` set, also kept on disk for other processes
+  (:mod:`tf_dpnsgd.accounting.curve_cache`: exact values under an exact key).
+  """
+  folder = curve_cache.directory()
+  if folder:
+    k = curve_cache.key(event, neighboring_relation, orders)
+    kept = curve_cache.load(folder, k)
+    if kept is not None and len(kept[0]) == len(orders):
+      return kept
   accountant = dp_accounting.rdp.RdpAccountant(list(orders), neighboring_relation)
   collector = _CollectExcludedOrders()
   logger = logging.getLogger("absl")
@@ -98,7 +109,10 @@ def _rdp_of_event(event, neighboring_relation, orders: tuple) -> tuple[tuple, tu
     notes = (f"dp-accounting could not evaluate {len(collector.orders)} small fractional "
              f"order(s) ({min(collector.orders):g} to {max(collector.orders):g}); they are "
              "excluded (RDP = inf there), which can only increase epsilon.",)
-  return tuple(float(v) for v in accountant.rdp), notes
+  rdp = tuple(float(v) for v in accountant.rdp)
+  if folder:
+    curve_cache.store(folder, k, rdp, notes)
+  return rdp, notes
 
 
 @dataclasses.dataclass(frozen=True)
