@@ -115,7 +115,7 @@ def broadcast_int(strategy: tf.distribute.Strategy, value: int) -> int:
 
 def _sum_over_replicas(strategy: tf.distribute.Strategy, contribution) -> int:
   """The int64 SUM all-reduce of ``contribution(replica_context)`` over all replicas."""
-  @tf.function
+  @tf.function(autograph=False)
   def run():
     def replica_fn():
       ctx = tf.distribute.get_replica_context()

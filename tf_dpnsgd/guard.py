@@ -146,7 +146,7 @@ def make_batch_reader(model):
 
   if model.run_eagerly:
     return read
-  return tf.function(read, jit_compile=False, reduce_retracing=True)
+  return tf.function(read, jit_compile=False, reduce_retracing=True, autograph=False)
 
 
 def summarize(reader, strategy, data) -> tuple:

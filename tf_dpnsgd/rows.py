@@ -90,7 +90,8 @@ def _dense_digest(t: tf.Tensor) -> tf.Tensor:
 # The same function compiled with XLA (one fused pass; exact integer arithmetic, so the same
 # bits), for dense numeric leaves of at least _XLA_MIN_ELEMENTS elements (or of unknown size):
 # below that, compiling for each new shape costs more than it saves.
-_dense_digest_xla = tf.function(_dense_digest, jit_compile=True, reduce_retracing=True)
+_dense_digest_xla = tf.function(_dense_digest, jit_compile=True, reduce_retracing=True,
+                                autograph=False)
 _XLA_MIN_ELEMENTS = 1 << 16
 
 
