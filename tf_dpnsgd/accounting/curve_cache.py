@@ -84,14 +84,17 @@ def load(folder: str, k: str) -> Optional[tuple[tuple, tuple]]:
 
 def store(folder: str, k: str, rdp, notes) -> None:
   """Writes ``(rdp, notes)`` under key ``k`` (atomically); a failure to write is ignored."""
+  text = json.dumps({"key": k, "rdp": [float(v).hex() for v in rdp], "notes": list(notes)})
+  tmp = None
   try:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump({"key": k, "rdp": [float(v).hex() for v in rdp], "notes": list(notes)}, f)
+      f.write(text)
     os.replace(tmp, _path(folder, k))
   except OSError:
-    pass
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)  # a full disk leaves no half-written file behind
 
 
 __all__ = ["ENV", "FORMAT", "directory", "key", "load", "store"]
