@@ -24,6 +24,7 @@ package's own files can: point it at a directory only you write.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -93,8 +94,9 @@ def store(folder: str, k: str, rdp, notes) -> None:
       f.write(text)
     os.replace(tmp, _path(folder, k))
   except OSError:
-    if tmp is not None and os.path.exists(tmp):
-      os.remove(tmp)  # a full disk leaves no half-written file behind
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)  # a full disk leaves no half-written file behind
 
 
 __all__ = ["ENV", "FORMAT", "directory", "key", "load", "store"]
