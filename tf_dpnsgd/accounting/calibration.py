@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Optional
 
+import numpy as np
+
 from tf_dpnsgd.accounting.paper_bound import PaperBoundConditionError, paper_bound_conditions
 from tf_dpnsgd.accounting.report import PrivacyReport, StepAccountant
 from tf_dpnsgd.accounting.spec import AccountingSpec, make_spec
@@ -42,6 +44,63 @@ def within_target_on_few_orders(spec: AccountingSpec, sigma: float, steps: int, 
   return report.optimal_order is not None and report.epsilon <= target
 
 
+#: An order is known to be above the target at ``sigma`` only if its epsilon at a larger
+#: ``sigma`` exceeded the target by this much (relative): room for the rounding and series
+#: truncation of dp-accounting's values, far below any calibration's tolerance.
+EXCLUSION_MARGIN = 1e-6
+
+
+def orders_monotone_in_sigma(spec: AccountingSpec) -> bool:
+  """Whether each order's epsilon is non-increasing in ``sigma`` for ``spec``, as computed.
+
+  True for dp-accounting's exact RDP of the Gaussian and of the Poisson-subsampled
+  Gaussian mechanism (data processing: more noise is a post-processing of less,
+  with the same sampling). Not claimed for the paper's bound (its order grid
+  depends on ``sigma``), for sampling without replacement (an upper bound, not
+  the exact divergence), or for the PLD accountant (no orders).
+  """
+  return (spec.accountant == "rdp" and spec.bound == "default"
+          and spec.sampling in ("poisson", "cyclic_poisson", "user_poisson", "shuffle"))
+
+
+class _OrdersAboveTarget:
+  """Orders known to be above the target at a ``sigma``, from evaluations at larger ones.
+
+  If an order's epsilon exceeded the target at ``sigma'``, it does at every
+  ``sigma <= sigma'`` (:func:`orders_monotone_in_sigma`). So a "no" at ``sigma``
+  needs only the other orders: their minimum above the target means the full
+  grid's is (every order is), and at most the target means the full grid's is
+  too (fewer orders never give less). Either way the full grid's decision.
+  """
+
+  def __init__(self, spec: AccountingSpec, steps: int, delta: float, target: float):
+    self.spec, self.steps, self.delta, self.target = spec, steps, delta, target
+    self.threshold = target + EXCLUSION_MARGIN * max(1.0, target)
+    self.evaluated = []  # (sigma, {order: epsilon})
+
+  def covers(self, sigma: float) -> bool:
+    """Whether an evaluation at a ``sigma' >= sigma`` left fewer orders to evaluate."""
+    return any(s >= sigma for s, _ in self.evaluated)
+
+  def unknown_orders(self, sigma: float) -> tuple:
+    # Only a finite epsilon is a witness: an infinite one can be dp-accounting failing at a
+    # small fractional order, at a larger sigma but not a smaller one (seen at q = 0.25).
+    return tuple(a for a in self.spec.rdp_orders if not any(
+        s >= sigma and self.threshold < e.get(a, -math.inf) < math.inf
+        for s, e in self.evaluated))
+
+  def evaluate(self, sigma: float) -> tuple[float, Optional[float]]:
+    """Epsilon on the orders not yet known to be above the target at ``sigma`` (their
+    minimum) and its order: the full grid's decision against the target."""
+    orders = self.unknown_orders(sigma)
+    spec = self.spec if len(orders) == len(self.spec.rdp_orders) else dataclasses.replace(
+        self.spec, orders=orders)
+    grid, eps = StepAccountant(spec, sigma, self.delta).order_epsilons(self.steps)
+    self.evaluated.append((sigma, dict(zip(grid.tolist(), eps.tolist()))))
+    i = int(np.argmin(eps))
+    return max(0.0, float(eps[i])), float(grid[i])
+
+
 def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, steps: int,
                                delta: float, tolerance: float = 1e-3,
                                max_noise_multiplier: float = 1e4) -> float:
@@ -63,7 +122,14 @@ def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, step
   only give a smaller epsilon: :func:`within_target_on_few_orders`), so the
   result is the same as evaluating every order every time; the steps answered
   "yes" that way are cheaper (how many depends on the search's path: 1 of 10
-  to about half in the plans measured).
+  to about half in the plans measured). Where each order's epsilon is
+  non-increasing in sigma (:func:`orders_monotone_in_sigma`: Poisson sampling,
+  shuffling, dp-accounting's bound), a step evaluates only the orders not
+  already seen above the target at a larger sigma (:class:`_OrdersAboveTarget`),
+  again the full grid's decision; every order is evaluated once or twice in a
+  calibration instead of at every "no" (a calibration 2-6x faster in the plans
+  measured). Every "yes" is computed, never inferred, so even if an accountant
+  broke that premise the result would still meet the target.
 
   Raises:
     AccountingError: if no ``sigma <= max_noise_multiplier`` reaches the target.
@@ -77,6 +143,9 @@ def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, step
     raise AccountingError("Zero steps spend no privacy: there is no noise multiplier to calibrate.")
 
   last_order = []  # the optimal order of the last evaluation on the full grid
+  above = (_OrdersAboveTarget(spec, steps, delta, target) if orders_monotone_in_sigma(spec)
+           else None)
+  decided = {}  # sigma -> its decision (the halving starts where the doubling said "no")
 
   def eps(sigma: float) -> float:
     try:
@@ -89,12 +158,25 @@ def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, step
       last_order[:] = [report.optimal_order]
     return report.epsilon
 
+  def decide(sigma: float) -> bool:
+    # Where no larger sigma was evaluated on every order yet (the doubling), every order
+    # is evaluated: a cheap "yes" would leave the bisection's "no"s below it on every order.
+    if last_order and spec.accountant == "rdp" and (
+        above is None or above.covers(sigma)) and within_target_on_few_orders(
+            spec, sigma, steps, delta, target, last_order[0]):
+      return True
+    if above is None:
+      return eps(sigma) <= target
+    epsilon, order = above.evaluate(sigma)
+    if math.isfinite(epsilon) and epsilon > 0:
+      last_order[:] = [order]
+    return epsilon <= target
+
   def meets_target(sigma: float) -> bool:
     """``eps(sigma) <= target``, decided exactly as the full grid of orders decides it."""
-    if last_order and spec.accountant == "rdp" and within_target_on_few_orders(
-        spec, sigma, steps, delta, target, last_order[0]):
-      return True
-    return eps(sigma) <= target
+    if sigma not in decided:
+      decided[sigma] = decide(sigma)
+    return decided[sigma]
 
   hi = 1.0
   while not meets_target(hi):

@@ -162,14 +162,33 @@ class StepAccountant:
       accountant.compose(self.spec.composed_event(self.noise_multiplier, steps))
       return float(accountant.get_epsilon(self.delta)), None, None
     curve = self._curve
-    # k == 0 (releases only): 0 * inf would be nan at orders where one step is unbounded.
-    rdp = (self.spec.rdp_scale(steps) * curve.rdp if k else 0.0) + self.spec.release_rdp(
-        curve.orders)
+    rdp = self._rdp_after(steps, k)
     eps, order = CONVERTERS[self.spec.conversion](curve.orders, rdp, self.delta)
     source = None
     if order is not None and self.spec.bound == "min":
       source = curve.source[int(np.argmin(np.abs(curve.orders - order)))]
     return eps, order, source
+
+  def _rdp_after(self, steps: int, k: int) -> np.ndarray:
+    """The RDP curve of ``steps`` steps (``k`` compositions) and the releases."""
+    curve = self._curve
+    # k == 0 (releases only): 0 * inf would be nan at orders where one step is unbounded.
+    return (self.spec.rdp_scale(steps) * curve.rdp if k else 0.0) + self.spec.release_rdp(
+        curve.orders)
+
+  def order_epsilons(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(orders, epsilons)``: each order's own epsilon after ``steps`` steps (RDP accountant).
+
+    Each is the conversion applied to that order alone, so :meth:`epsilon` is
+    their minimum (both conversions take a per-order minimum).
+    """
+    steps = validate_steps(steps)
+    if self._curve is None:
+      raise AccountingError("The PLD accountant has no per-order epsilons.")
+    orders = self._curve.orders
+    rdp = np.broadcast_to(self._rdp_after(steps, self.spec.compositions(steps)), orders.shape)
+    convert = CONVERTERS[self.spec.conversion]
+    return orders, np.array([convert([a], [r], self.delta)[0] for a, r in zip(orders, rdp)])
 
   def _lookup(self, steps: int) -> tuple:
     steps = validate_steps(steps)
