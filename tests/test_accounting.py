@@ -458,7 +458,7 @@ def test_a_few_orders_never_settle_a_target_the_full_grid_misses(kwargs):
 # --- The bisection's "no"s on fewer orders: those not yet above the target at a larger sigma.
 def oracle_epsilon(spec, sigma, steps):
   """dp-accounting alone on the spec's event for ``steps`` steps, every order of its grid."""
-  accountant = dp_accounting.rdp.RdpAccountant(list(spec.rdp_orders))
+  accountant = dp_accounting.rdp.RdpAccountant(list(spec.rdp_orders), spec.neighboring_relation)
   accountant.compose(spec.composed_event(sigma, steps))
   return accountant.get_epsilon(DELTA)
 
@@ -469,10 +469,12 @@ def oracle_epsilon(spec, sigma, steps):
     (20000, 200, "poisson", 500, 0.5),   # sigma far above 1: a long doubling
     (240, 20, "cyclic_poisson", 24, 4.0),
     (1000, 1000, "shuffle", 3, 2.0),     # no sampling: a Gaussian mechanism per epoch
+    (1000, 100, "uniform", 40, 2.0),     # without replacement: dp-accounting's upper bound
 ])
 def test_calibration_on_fewer_orders_is_the_full_grid_bisection(n, b, sampling, steps, target,
                                                                 monkeypatch):
-  spec = acc.make_spec(n, b, sampling, orders=MIXED_ORDERS)
+  spec = acc.make_spec(n, b, sampling, orders=SMALL_ORDERS if sampling == "uniform"
+                       else MIXED_ORDERS)
   calls = count_full_grid_evaluations(monkeypatch, spec.rdp_orders)
   sigma = acc.calibrate_noise_multiplier(spec, target, steps, DELTA, tolerance=1e-3)
   expected, evaluations = reference_bisection(lambda s: oracle_epsilon(spec, s, steps), target,
@@ -482,13 +484,18 @@ def test_calibration_on_fewer_orders_is_the_full_grid_bisection(n, b, sampling, 
   assert 0 < sum(calls) < evaluations / 2, (sum(calls), evaluations)
 
 
-@pytest.mark.parametrize("q", tiers.quick_only([1e-4, 0.01, 0.25, 0.9, 1.0], quick=[0.25, 1.0]))
-def test_each_orders_epsilon_as_computed_never_rises_with_sigma(q):
+@pytest.mark.parametrize("case", tiers.quick_only(
+    [("poisson", q) for q in (1e-4, 0.01, 0.25, 0.9, 1.0)]
+    + [("uniform", q) for q in (0.005, 0.1, 0.9)],
+    quick=[("poisson", 0.25), ("poisson", 1.0), ("uniform", 0.1)]))
+def test_each_orders_epsilon_as_computed_never_rises_with_sigma(case):
   # The premise of the exclusions, attacked where dp-accounting's numbers are least exact
-  # (q near 1: slowly converging series at fractional orders; large integer orders), with
+  # (q near 1: slowly converging series at fractional orders; large integer orders; the
+  # without-replacement bound's forward differences and Stirling form above order 256), with
   # sigmas a relative 1e-9 apart as well as far apart: a rise must stay inside the margin.
+  sampling, q = case
   n = 10000
-  spec = acc.make_spec(n, max(1, round(q * n)), "poisson", orders=MIXED_ORDERS)
+  spec = acc.make_spec(n, max(1, round(q * n)), sampling, orders=MIXED_ORDERS)
   sigmas = sorted({float(v) for s in (0.4, 0.9, 2.0, 7.0) for v in (s, s * (1 + 1e-9))})
   previous = None
   for sigma in sigmas:

@@ -55,12 +55,16 @@ def orders_monotone_in_sigma(spec: AccountingSpec) -> bool:
 
   True for dp-accounting's exact RDP of the Gaussian and of the Poisson-subsampled
   Gaussian mechanism (data processing: more noise is a post-processing of less,
-  with the same sampling). Not claimed for the paper's bound (its order grid
-  depends on ``sigma``), for sampling without replacement (an upper bound, not
-  the exact divergence), or for the PLD accountant (no orders).
+  with the same sampling), and for its bound for sampling without replacement
+  (Wang et al. 2019, Thm. 27: every term grows with the Gaussian's RDP
+  ``alpha / (2 sigma^2)``, fractional orders a fixed mix of the two integers
+  around them). Not claimed for the paper's bound (its order grid depends on
+  ``sigma``) or for the PLD accountant (no orders). ``tests/test_accounting.py``
+  checks the premise on dp-accounting's numbers.
   """
   return (spec.accountant == "rdp" and spec.bound == "default"
-          and spec.sampling in ("poisson", "cyclic_poisson", "user_poisson", "shuffle"))
+          and spec.sampling in ("poisson", "cyclic_poisson", "user_poisson", "shuffle",
+                                "uniform"))
 
 
 class _OrdersAboveTarget:
@@ -123,8 +127,8 @@ def calibrate_noise_multiplier(spec: AccountingSpec, target_epsilon: float, step
   result is the same as evaluating every order every time; the steps answered
   "yes" that way are cheaper (how many depends on the search's path: 1 of 10
   to about half in the plans measured). Where each order's epsilon is
-  non-increasing in sigma (:func:`orders_monotone_in_sigma`: Poisson sampling,
-  shuffling, dp-accounting's bound), a step evaluates only the orders not
+  non-increasing in sigma (:func:`orders_monotone_in_sigma`: dp-accounting's
+  bounds for every sampling), a step evaluates only the orders not
   already seen above the target at a larger sigma (:class:`_OrdersAboveTarget`),
   again the full grid's decision; every order is evaluated once or twice in a
   calibration instead of at every "no" (a calibration 2-6x faster in the plans
