@@ -431,8 +431,8 @@ def test_calibration_is_the_full_grid_bisection_with_fewer_full_evaluations(grid
   expected, evaluations = reference_bisection(
       lambda s: oracle_poisson_epsilon(b / n, s, steps, spec.rdp_orders), target, tol)
   assert sigma == expected  # the same decision at every step, so the same bracket
-  full = sum(calls)
-  assert 0 < full < evaluations, (full, evaluations)
+  full = sum(calls)  # none at all where the orders below the epsilon floor are left out
+  assert calls and full < evaluations, (full, evaluations)
   assert oracle_poisson_epsilon(b / n, sigma, steps, spec.rdp_orders) <= target
 
 
@@ -481,7 +481,7 @@ def test_calibration_on_fewer_orders_is_the_full_grid_bisection(n, b, sampling, 
                                               1e-3)
   assert sigma == expected  # the same decision at every step
   assert oracle_epsilon(spec, sigma, steps) <= target
-  assert 0 < sum(calls) < evaluations / 2, (sum(calls), evaluations)
+  assert calls and sum(calls) < evaluations / 2, (sum(calls), evaluations)
 
 
 @pytest.mark.parametrize("case", tiers.quick_only(
@@ -522,6 +522,47 @@ def test_order_epsilons_are_each_orders_own_and_their_minimum_is_the_epsilon(kwa
   for i in (0, len(orders) // 2, len(orders) - 1):  # each order alone, from its own spec
     alone = dataclasses.replace(spec, orders=(float(orders[i]),))
     assert eps[i] == acc.StepAccountant(alone, 1.1, DELTA).epsilon(300)
+
+
+@pytest.mark.parametrize("conversion", ["modern", "classic"])
+def test_the_epsilon_floor_is_below_every_orders_epsilon(conversion):
+  # Orders whose floor is above the target are never evaluated where the RDP is known to be
+  # past dp-accounting's zero: the floor must be below the epsilon of every RDP from there on.
+  delta = 1e-5
+  zero_below = -math.log1p(-delta * delta)
+  for order in acc.DEFAULT_ORDERS + (1.001, 1.01, 1.011):
+    floor = acc.calibration.epsilon_floor(conversion, order, delta)
+    for r in (zero_below * (1 + 1e-9), 2 * zero_below, 1e-6, 1e-3, 1.0, 50.0):
+      if conversion == "modern":  # dp-accounting's conversion, called directly
+        eps = rdp_lib.compute_epsilon([order], [r], delta)[0]
+      else:  # Mironov 2017, Prop. 3, written out
+        eps = r + math.log(1 / delta) / (order - 1)
+      assert eps >= floor or (math.isinf(floor) and math.isinf(eps)), (order, r, eps, floor)
+  # And it is the epsilon of an RDP just past the zero (the floor is tight).
+  assert rdp_lib.compute_epsilon([8.0], [2 * zero_below], delta)[0] == pytest.approx(
+      acc.calibration.epsilon_floor("modern", 8.0, delta), abs=1e-9)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dataset_size=10000, batch_size=1, sampling="poisson"),
+    dict(dataset_size=10000, batch_size=2500, sampling="poisson"),
+    dict(dataset_size=100, batch_size=100, sampling="poisson"),
+    dict(dataset_size=240, batch_size=20, sampling="cyclic_poisson"),
+    dict(dataset_size=1000, batch_size=100, sampling="shuffle"),
+])
+def test_the_rdp_lower_bound_is_below_dp_accountings_rdp_at_every_order(kwargs):
+  # Pinsker's bound on the KL divergence, which every order's Renyi divergence exceeds:
+  # checked against dp-accounting's curve of the whole run, called directly.
+  spec = acc.make_spec(orders=MIXED_ORDERS + (1.05, 1.01, 1024.0), **kwargs)
+  for sigma in (0.3, 1.0, 4.0, 60.0, 3000.0):
+    for steps in (1, 37):
+      bound = acc.calibration.rdp_lower_bound(spec, sigma, steps)
+      accountant = dp_accounting.rdp.RdpAccountant(list(spec.rdp_orders),
+                                                   spec.neighboring_relation)
+      accountant.compose(spec.composed_event(sigma, steps))
+      rdp = np.asarray(accountant.rdp)
+      assert bound > 0 and np.all(rdp >= bound * (1 - 1e-9)), (sigma, steps, bound, rdp.min())
+  assert acc.calibration.rdp_lower_bound(acc.make_spec(1000, 100, "uniform"), 1.0, 5) == 0.0
 
 
 def test_a_curve_that_breaks_the_premise_still_gets_a_sigma_that_meets_the_target(monkeypatch):

@@ -67,6 +67,41 @@ def orders_monotone_in_sigma(spec: AccountingSpec) -> bool:
                                 "uniform"))
 
 
+def epsilon_floor(conversion: str, order: float, delta: float) -> float:
+  """The least epsilon ``order`` can give, whatever its RDP ``r``, if ``r >= -log1p(-delta^2)``.
+
+  Classic (Mironov 2017, Prop. 3): ``r + log(1/delta) / (order - 1) >= log(1/delta) /
+  (order - 1)``. Modern (dp-accounting's ``compute_epsilon``): ``r + log1p(-1/order) -
+  log(delta order) / (order - 1)`` for ``order > 1.01`` (infinite at or below), once ``r``
+  is past the bound under which it says 0 (``delta^2 + expm1(-r) > 0``).
+  """
+  if order <= 1.0:
+    return math.inf
+  if conversion == "classic":
+    return math.log(1.0 / delta) / (order - 1.0)
+  if order <= 1.01:
+    return math.inf
+  return math.log1p(-1.0 / order) - math.log(delta * order) / (order - 1.0)
+
+
+def rdp_lower_bound(spec: AccountingSpec, sigma: float, steps: int) -> float:
+  """A lower bound on the RDP of ``steps`` steps at every order (0 where none is derived here).
+
+  A Renyi divergence of order > 1 is at least the KL divergence, which is at least
+  ``2 TV^2`` (Pinsker). One Gaussian mechanism of noise multiplier ``m`` (the
+  accountant's convention) has ``TV = erf(1 / (2 sqrt(2) m))``; Poisson sampling at
+  rate ``q`` mixes it with the unchanged distribution, ``TV = q erf(...)``; RDP adds
+  up over the :meth:`AccountingSpec.rdp_scale` compositions (releases only add more).
+  Without replacement: 0 (not derived).
+  """
+  if spec.sampling == "uniform" and not spec.blt:
+    return 0.0
+  tv = math.erf(1.0 / (2.0 * math.sqrt(2.0) * spec.accountant_noise_multiplier(sigma)))
+  if not spec.blt and spec.sampling != "shuffle":
+    tv *= spec.sampling_rate
+  return spec.rdp_scale(steps) * 2.0 * tv * tv
+
+
 class _OrdersAboveTarget:
   """Orders known to be above the target at a ``sigma``, from evaluations at larger ones.
 
@@ -75,21 +110,31 @@ class _OrdersAboveTarget:
   needs only the other orders: their minimum above the target means the full
   grid's is (every order is), and at most the target means the full grid's is
   too (fewer orders never give less). Either way the full grid's decision.
+
+  Orders whose :func:`epsilon_floor` is above the target are above it at every
+  ``sigma`` where :func:`rdp_lower_bound` keeps the RDP past dp-accounting's
+  zero (the small fractional orders for the usual targets: the costliest where
+  ``q`` is large); they are never evaluated there.
   """
 
   def __init__(self, spec: AccountingSpec, steps: int, delta: float, target: float):
     self.spec, self.steps, self.delta, self.target = spec, steps, delta, target
     self.threshold = target + EXCLUSION_MARGIN * max(1.0, target)
     self.evaluated = []  # (sigma, {order: epsilon})
+    self.floored = frozenset(a for a in spec.rdp_orders
+                             if epsilon_floor(spec.conversion, a, delta) > self.threshold)
+    self.zero_below = -math.log1p(-delta * delta)  # RDP under which 'modern' says 0
 
   def covers(self, sigma: float) -> bool:
     """Whether an evaluation at a ``sigma' >= sigma`` left fewer orders to evaluate."""
     return any(s >= sigma for s, _ in self.evaluated)
 
   def unknown_orders(self, sigma: float) -> tuple:
+    floored = self.floored if (self.floored and rdp_lower_bound(
+        self.spec, sigma, self.steps) > 2.0 * self.zero_below) else frozenset()
     # Only a finite epsilon is a witness: an infinite one can be dp-accounting failing at a
     # small fractional order, at a larger sigma but not a smaller one (seen at q = 0.25).
-    return tuple(a for a in self.spec.rdp_orders if not any(
+    return tuple(a for a in self.spec.rdp_orders if a not in floored and not any(
         s >= sigma and self.threshold < e.get(a, -math.inf) < math.inf
         for s, e in self.evaluated))
 
@@ -97,6 +142,8 @@ class _OrdersAboveTarget:
     """Epsilon on the orders not yet known to be above the target at ``sigma`` (their
     minimum) and its order: the full grid's decision against the target."""
     orders = self.unknown_orders(sigma)
+    if not orders:  # every order is above the target at this sigma
+      return math.inf, None
     spec = self.spec if len(orders) == len(self.spec.rdp_orders) else dataclasses.replace(
         self.spec, orders=orders)
     grid, eps = StepAccountant(spec, sigma, self.delta).order_epsilons(self.steps)
