@@ -565,6 +565,40 @@ def test_the_rdp_lower_bound_is_below_dp_accountings_rdp_at_every_order(kwargs):
   assert acc.calibration.rdp_lower_bound(acc.make_spec(1000, 100, "uniform"), 1.0, 5) == 0.0
 
 
+@pytest.mark.parametrize("conversion", ["classic", "modern"])
+def test_orders_whose_rdp_underflows_to_zero_never_settle_a_yes_alone(conversion, monkeypatch):
+  # At tiny sampling rates dp-accounting's RDP can round to exactly 0 at small orders while
+  # larger ones are not 0. The classic conversion says 0 for an all-zero curve: a window of
+  # such orders, converted as a curve of its own, would say "yes" where the whole grid's
+  # epsilon (those orders at log(1/delta)/(a-1)) is above the target.
+  from tf_dpnsgd.accounting import rdp as rdp_module  # pylint: disable=import-outside-toplevel
+  rdp_module._rdp_of_event.cache_clear()
+  inner = rdp_module._rdp_of_event
+
+  def underflow(event, relation, orders):
+    rdp, notes = inner(event, relation, orders)
+    return tuple(0.0 if o <= 3.0 else r for o, r in zip(orders, rdp)), notes
+
+  monkeypatch.setattr(rdp_module, "_rdp_of_event", underflow)
+  spec = acc.make_spec(20000, 200, "poisson", conversion=conversion, orders=MIXED_ORDERS)
+  if conversion == "modern":  # dp-accounting's conversion says 0 at a zero order: so do we
+    _, eps = acc.StepAccountant(spec, 1.5, DELTA).order_epsilons(300)
+    assert acc.epsilon_for(spec, 1.5, 300, DELTA) == 0.0 == eps.min()
+    return
+  for sigma in (0.7, 1.5):
+    full = acc.epsilon_for(spec, sigma, 300, DELTA)
+    assert full > 0
+    for order in (1.25, 1.5, 2.0):  # windows of all-zero orders
+      assert not acc.within_target_on_few_orders(spec, sigma, 300, DELTA,
+                                                  math.nextafter(full, 0.0), order)
+    _, eps = acc.StepAccountant(spec, sigma, DELTA).order_epsilons(300)
+    assert eps.min() == full
+  for target in (2.0, 4.0):
+    sigma = acc.calibrate_noise_multiplier(spec, target, 300, DELTA, tolerance=1e-3)
+    assert acc.epsilon_for(spec, sigma, 300, DELTA) <= target
+    assert acc.epsilon_for(spec, sigma - 1e-3, 300, DELTA) > target
+
+
 def test_a_curve_that_breaks_the_premise_still_gets_a_sigma_that_meets_the_target(monkeypatch):
   # An adversarial RDP: at order 8 the divergence drops to a tenth inside a band of sigmas,
   # so an order excluded above the band is below the target inside it. The exclusions may then

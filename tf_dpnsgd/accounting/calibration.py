@@ -32,16 +32,20 @@ def within_target_on_few_orders(spec: AccountingSpec, sigma: float, steps: int, 
   "yes" for the full grid, at a fraction of its cost (the full grid's large
   integer orders cost the most). False means "not settled" (not "above the
   target"): the caller asks the full grid. An error (a condition of the paper's
-  bound) or a zero/infinite epsilon on the subset also settles nothing.
+  bound) also settles nothing. The subset's values are each order's own
+  (:meth:`StepAccountant.order_epsilons`), not the conversion of the subset as a curve: a subset
+  whose RDP values are all 0 (underflow at tiny sampling rates) is not a curve
+  that says epsilon 0 unless the whole grid's is.
   """
   orders = spec.rdp_orders
   i = min(range(len(orders)), key=lambda j: abs(orders[j] - order))
   few = orders[max(0, i - WINDOW):i + WINDOW + 1]
   try:
-    report = StepAccountant(dataclasses.replace(spec, orders=few), sigma, delta).report(steps)
+    _, eps = StepAccountant(dataclasses.replace(spec, orders=few), sigma,
+                            delta).order_epsilons(steps)
   except AccountingError:
     return False
-  return report.optimal_order is not None and report.epsilon <= target
+  return bool(eps.size) and float(np.min(eps)) <= target
 
 
 #: An order is known to be above the target at ``sigma`` only if its epsilon at a larger

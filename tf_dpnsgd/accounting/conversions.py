@@ -63,4 +63,33 @@ def modern_epsilon(orders: Sequence[float], rdp: Sequence[float],
 # The conversions by name (``AccountingSpec.conversion``).
 CONVERTERS = {"modern": modern_epsilon, "classic": classic_epsilon}
 
-__all__ = ["CONVERTERS", "classic_epsilon", "modern_epsilon"]
+
+def order_epsilons(conversion: str, orders: Sequence[float], rdp: Sequence[float],
+                   delta: float) -> np.ndarray:
+  """Each order's own epsilon: what ``conversion`` computes at that order of a curve.
+
+  Never below the conversion's epsilon on any curve holding that order, so the
+  minimum over a subset of a curve's orders is never below the whole curve's
+  epsilon. (It is that epsilon on the whole curve, except where every RDP value
+  is 0: there the conversions say 0, while an order alone here says what it
+  says next to non-zero values: ``log(1/delta) / (a - 1)`` classic, 0 modern.)
+
+  >>> order_epsilons("classic", [2.0, 3.0], [0.0, 1.0], math.exp(-1.0)).tolist()
+  [1.0, 1.5]
+  """
+  delta = validate_delta(delta)
+  orders = np.asarray(orders, dtype=np.float64)
+  rdp = np.asarray(rdp, dtype=np.float64)
+  if orders.shape != rdp.shape:
+    raise AccountingError("`orders` and `rdp` must have the same length.")
+  if conversion == "classic":
+    with np.errstate(divide="ignore", invalid="ignore"):
+      eps = np.where(orders > 1.0, rdp + math.log(1.0 / delta) / (orders - 1.0), np.inf)
+    return np.maximum(0.0, np.where(np.isnan(eps), np.inf, eps))
+  if conversion != "modern":
+    raise AccountingError(f"Unknown conversion {conversion!r}.")
+  eps = [_rdp_lib.compute_epsilon([float(a)], [float(r)], delta)[0] for a, r in zip(orders, rdp)]
+  return np.array([max(0.0, float(e)) if math.isfinite(e) else math.inf for e in eps])
+
+
+__all__ = ["CONVERTERS", "classic_epsilon", "modern_epsilon", "order_epsilons"]

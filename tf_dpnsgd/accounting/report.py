@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from tf_dpnsgd.accounting.conversions import CONVERTERS
+from tf_dpnsgd.accounting.conversions import CONVERTERS, order_epsilons
 from tf_dpnsgd.accounting.rdp import rdp_curve
 from tf_dpnsgd.accounting.spec import AccountingSpec, make_spec
 from tf_dpnsgd.accounting.validation import (AccountingError, resolve_steps, validate_delta,
@@ -179,16 +179,16 @@ class StepAccountant:
   def order_epsilons(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """``(orders, epsilons)``: each order's own epsilon after ``steps`` steps (RDP accountant).
 
-    Each is the conversion applied to that order alone, so :meth:`epsilon` is
-    their minimum (both conversions take a per-order minimum).
+    Each is the conversion's value at that order (:func:`conversions.order_epsilons`),
+    so :meth:`epsilon` is their minimum, and on a subset of the orders their
+    minimum is never below the whole grid's epsilon.
     """
     steps = validate_steps(steps)
     if self._curve is None:
       raise AccountingError("The PLD accountant has no per-order epsilons.")
     orders = self._curve.orders
     rdp = np.broadcast_to(self._rdp_after(steps, self.spec.compositions(steps)), orders.shape)
-    convert = CONVERTERS[self.spec.conversion]
-    return orders, np.array([convert([a], [r], self.delta)[0] for a, r in zip(orders, rdp)])
+    return orders, order_epsilons(self.spec.conversion, orders, rdp, self.delta)
 
   def _lookup(self, steps: int) -> tuple:
     steps = validate_steps(steps)
