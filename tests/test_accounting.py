@@ -548,6 +548,7 @@ def test_the_epsilon_floor_is_below_every_orders_epsilon(conversion):
     dict(dataset_size=10000, batch_size=2500, sampling="poisson"),
     dict(dataset_size=100, batch_size=100, sampling="poisson"),
     dict(dataset_size=240, batch_size=20, sampling="cyclic_poisson"),
+    dict(dataset_size=240, batch_size=20, sampling="cyclic_poisson", bands=3),  # BandMF
     dict(dataset_size=1000, batch_size=100, sampling="shuffle"),
 ])
 def test_the_rdp_lower_bound_is_below_dp_accountings_rdp_at_every_order(kwargs):
