@@ -39,13 +39,20 @@ def within_target_on_few_orders(spec: AccountingSpec, sigma: float, steps: int, 
   """
   orders = spec.rdp_orders
   i = min(range(len(orders)), key=lambda j: abs(orders[j] - order))
-  few = orders[max(0, i - WINDOW):i + WINDOW + 1]
   try:
-    _, eps = StepAccountant(dataclasses.replace(spec, orders=few), sigma,
-                            delta).order_epsilons(steps)
+    _, eps = _order_epsilons(spec, orders[max(0, i - WINDOW):i + WINDOW + 1], sigma, delta,
+                             steps)
   except AccountingError:
     return False
   return bool(eps.size) and float(np.min(eps)) <= target
+
+
+def _order_epsilons(spec: AccountingSpec, orders: tuple, sigma: float, delta: float,
+                    steps: int) -> tuple[np.ndarray, np.ndarray]:
+  """Each of ``orders``' own epsilon (:meth:`StepAccountant.order_epsilons`) under ``spec``."""
+  if tuple(orders) != tuple(spec.rdp_orders):
+    spec = dataclasses.replace(spec, orders=tuple(orders))
+  return StepAccountant(spec, sigma, delta).order_epsilons(steps)
 
 
 #: An order is known to be above the target at ``sigma`` only if its epsilon at a larger
@@ -148,9 +155,7 @@ class _OrdersAboveTarget:
     orders = self.unknown_orders(sigma)
     if not orders:  # every order is above the target at this sigma
       return math.inf, None
-    spec = self.spec if len(orders) == len(self.spec.rdp_orders) else dataclasses.replace(
-        self.spec, orders=orders)
-    grid, eps = StepAccountant(spec, sigma, self.delta).order_epsilons(self.steps)
+    grid, eps = _order_epsilons(self.spec, orders, sigma, self.delta, self.steps)
     self.evaluated.append((sigma, dict(zip(grid.tolist(), eps.tolist()))))
     i = int(np.argmin(eps))
     return max(0.0, float(eps[i])), float(grid[i])

@@ -21,6 +21,21 @@ from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 from tf_dpnsgd.accounting.validation import AccountingError, validate_delta
 
 
+def _curve(orders, rdp) -> tuple[np.ndarray, np.ndarray]:
+  orders = np.asarray(orders, dtype=np.float64)
+  rdp = np.asarray(rdp, dtype=np.float64)
+  if orders.shape != rdp.shape:
+    raise AccountingError("`orders` and `rdp` must have the same length.")
+  return orders, rdp
+
+
+def _classic_values(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
+  """Each order's ``rdp + log(1/delta) / (a - 1)``; infinite at orders ``<= 1`` and for NaN."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    eps = np.where(orders > 1.0, rdp + math.log(1.0 / delta) / (orders - 1.0), np.inf)
+  return np.where(np.isnan(eps), np.inf, eps)
+
+
 def classic_epsilon(orders: Sequence[float], rdp: Sequence[float],
                     delta: float) -> tuple[float, Optional[float]]:
   """Mironov (2017) Prop. 3: ``min_a rdp(a) + log(1/delta) / (a - 1)`` and the optimal order.
@@ -32,15 +47,10 @@ def classic_epsilon(orders: Sequence[float], rdp: Sequence[float],
   (1.5, 2.0)
   """
   delta = validate_delta(delta)
-  orders = np.asarray(orders, dtype=np.float64)
-  rdp = np.asarray(rdp, dtype=np.float64)
-  if orders.shape != rdp.shape:
-    raise AccountingError("`orders` and `rdp` must have the same length.")
+  orders, rdp = _curve(orders, rdp)
   if np.all(rdp == 0):
     return 0.0, None
-  with np.errstate(divide="ignore", invalid="ignore"):
-    eps = np.where(orders > 1.0, rdp + math.log(1.0 / delta) / (orders - 1.0), np.inf)
-  eps = np.where(np.isnan(eps), np.inf, eps)
+  eps = _classic_values(orders, rdp, delta)
   i = int(np.argmin(eps))
   if not math.isfinite(eps[i]):
     return math.inf, None
@@ -78,14 +88,9 @@ def order_epsilons(conversion: str, orders: Sequence[float], rdp: Sequence[float
   [1.0, 1.5]
   """
   delta = validate_delta(delta)
-  orders = np.asarray(orders, dtype=np.float64)
-  rdp = np.asarray(rdp, dtype=np.float64)
-  if orders.shape != rdp.shape:
-    raise AccountingError("`orders` and `rdp` must have the same length.")
+  orders, rdp = _curve(orders, rdp)
   if conversion == "classic":
-    with np.errstate(divide="ignore", invalid="ignore"):
-      eps = np.where(orders > 1.0, rdp + math.log(1.0 / delta) / (orders - 1.0), np.inf)
-    return np.maximum(0.0, np.where(np.isnan(eps), np.inf, eps))
+    return np.maximum(0.0, _classic_values(orders, rdp, delta))
   if conversion != "modern":
     raise AccountingError(f"Unknown conversion {conversion!r}.")
   eps = [_rdp_lib.compute_epsilon([float(a)], [float(r)], delta)[0] for a, r in zip(orders, rdp)]
