@@ -10,7 +10,10 @@ import sys
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
   sys.dont_write_bytecode = False
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's C++ log: errors too are off (3), as every child process of the suite had it, so
+# that they all share one import-time environment and one zygote per worker forks them
+# (tests/zygote.py).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # oneDNN crashes per-example gradients of MultiHeadAttention under tf.vectorized_map on CPU.

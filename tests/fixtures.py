@@ -20,6 +20,7 @@ import pickle
 
 import keras
 import numpy as np
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 TINY_WORDS = ("the a an movie film story plot actors it is was not very really too so and but "
               "good great fun funny moving brilliant bad boring dull terrible awful slow "
@@ -362,10 +363,9 @@ class InterruptAt(keras.callbacks.Callback):
 def result_lines(script: str, timeout: int = 300) -> tuple:
   """Runs ``script`` in a fresh Python process; returns ``(rows, stderr)``: the words after
   ``RESULT`` of each stdout line that starts with it (subprocess tests of the probes)."""
-  import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=timeout)
+  out = zygote.run([sys.executable, "-c", script], capture_output=True, text=True,
+                   timeout=timeout)
   return [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")], out.stderr
 
 

@@ -42,12 +42,12 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
 
 import file_lock
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 MARKER = "LAUNCH_EACH_RESULTS "
 
@@ -57,9 +57,9 @@ def launch_each(module: str, argvs, env=None, timeout: int = 600) -> list:
   ``argvs`` (argument lists, or dicts as in the module's docstring). ``timeout`` is per
   run (the whole process gets ``timeout`` times the number of runs)."""
   runs = [r if isinstance(r, dict) else {"argv": list(r)} for r in argvs]
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), module, json.dumps(runs)],
-                       capture_output=True, text=True, timeout=timeout * max(len(runs), 1),
-                       env=env)
+  out = zygote.run([sys.executable, os.path.abspath(__file__), module, json.dumps(runs)],
+                   capture_output=True, text=True, timeout=timeout * max(len(runs), 1),
+                   env=env)
   lines = [l for l in out.stdout.splitlines() if l.startswith(MARKER)]
   if out.returncode != 0 or len(lines) != 1:
     raise AssertionError(f"launch_each {module} failed (exit {out.returncode}):\n"

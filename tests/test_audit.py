@@ -17,7 +17,6 @@ import doctest
 import json
 import math
 import os
-import subprocess
 import sys
 
 import keras
@@ -31,6 +30,7 @@ from tf_dpnsgd import sampling, transforms
 from tf_dpnsgd.audit import auditor as auditor_lib
 from tf_dpnsgd.audit import bounds, canaries, fdp, measures, one_run, scoring
 from tf_dpnsgd.plan import PrivacyPlan
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -827,8 +827,8 @@ def test_launcher_flag_errors_are_one_line(audit_runs):
 
 # --- --audit_canaries in the training launchers -----------------------------------------------
 def _run_module(module, *args):
-  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                        timeout=600, env=_ENV, cwd=REPO)
+  return zygote.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                    timeout=600, env=_ENV, cwd=REPO)
 
 
 def _quickstart_runs_of(f):
@@ -977,6 +977,6 @@ def test_audit_launcher_refuses_momentum_for_adam_variants():
           "    assert 'would ignore it' in str(e), e\n"
           "optimizer_factory('dpnsgd', 1.0, 0.1, 1.0, momentum=0.9)(1.0)\n"
           "print('ok')\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=REPO, timeout=300)
+  out = zygote.run([sys.executable, "-c", code], capture_output=True, text=True,
+                   cwd=REPO, timeout=300)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

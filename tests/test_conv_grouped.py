@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from tf_dpnsgd.per_example import vectorized
 from tf_dpnsgd.per_example.layers import conv
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -116,8 +116,8 @@ def test_grouped_per_example_kernel_grads_and_engines_under_onednn():
   env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
              CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
                  [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, "-c", CHILD, HERE], capture_output=True, text=True,
-                        env=env, timeout=600)
+  proc = zygote.run([sys.executable, "-c", CHILD, HERE], capture_output=True, text=True,
+                    env=env, timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   out = json.loads(lines[-1][len("RESULT "):])

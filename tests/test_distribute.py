@@ -17,6 +17,7 @@ import pytest
 
 import dist_checks
 from launch_each import once_per_session
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -55,7 +56,7 @@ def run_mirrored_cases(cases) -> list:
   TensorFlow is imported once) and returns one RESULT dict per case, in order: replicas, max
   weight difference, how far training moved the weights, ledger steps, and the final clip of
   the single and the mirrored run."""
-  out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(
+  out = zygote.run([sys.executable, "-c", SCRIPT, json.dumps(
       [[noise, kwargs] for noise, kwargs in cases])], capture_output=True, text=True, timeout=300)
   lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
   assert [int(l[0]) for l in lines] == list(range(len(cases))), out.stderr[-3000:]
@@ -100,9 +101,9 @@ def test_mirrored_every_sampling_matches_single_process_and_draws_once(tmp_path)
   script = os.path.join(os.path.dirname(__file__), "dist_script.py")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("TF_CONFIG", None)
-  procs = {mode: subprocess.Popen([sys.executable, script, mode, str(tmp_path / f"{mode}.npz")],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for mode in ("single", "mirrored")}
+  procs = {mode: zygote.Popen([sys.executable, script, mode, str(tmp_path / f"{mode}.npz")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for mode in ("single", "mirrored")}
   try:
     outputs = {mode: p.communicate(timeout=300)[0] for mode, p in procs.items()}
   finally:

@@ -23,12 +23,12 @@ import importlib.util
 import io
 import os
 import pkgutil
-import subprocess
 import sys
 
 import pytest
 
 import tf_dpnsgd
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 # Fewer modules with examples than this means discovery broke (18 when written).
 MIN_MODULES_WITH_EXAMPLES = 12
@@ -91,9 +91,9 @@ def test_examples_were_found():
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
   if name.startswith(SUBPROCESS_PREFIXES) and _defines_flags(name):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
                CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-c", _SUBPROCESS_CODE, os.path.dirname(os.path.abspath(__file__)), name],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -43,6 +42,7 @@ from tf_dpnsgd.per_example import (choose_engine, layerwise_engine, microbatch_e
 from tf_dpnsgd.per_example import registry as registry_lib
 from tf_dpnsgd.per_example.layers import conv as conv_rules
 import tiers
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 RTOL = 1e-5
 CLIP = transforms.Clip(0.5)
@@ -314,8 +314,8 @@ def _run_child(code, onednn):
   env.pop("TF_ENABLE_ONEDNN_OPTS", None)
   if onednn is not None:
     env["TF_ENABLE_ONEDNN_OPTS"] = onednn
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  return zygote.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                    capture_output=True, text=True, timeout=300)
 
 
 _CHILD_MODEL = """

@@ -9,7 +9,6 @@ dp-accounting's own epsilon.
 """
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -23,6 +22,7 @@ from tf_dpnsgd.ledger import LedgerMismatchError
 from tf_dpnsgd.plan import PrivacyPlan
 
 import tiers
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 N, B, DELTA = 40, 8, 1e-5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -118,8 +118,8 @@ def test_weights_reloaded_in_a_new_process_get_their_ledger_back(tmp_path):
       base = keras.models.load_model({path!r})
       print("STEPS", tf_dpnsgd.make_private(base).privacy_ledger.steps)
   """)
-  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       env=dict(os.environ), timeout=300)
+  out = zygote.run([sys.executable, "-c", script], capture_output=True, text=True,
+                   env=dict(os.environ), timeout=300)
   assert "STEPS 5" in out.stdout, out.stderr[-2000:]
 
 

@@ -8,7 +8,6 @@ Dense model once and checks that every row and phase is there. No timing is asse
 import csv
 import doctest
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import fit_fixed_cost as bench  # noqa: E402  (standard library only at import)
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 
 def test_the_script_imports_no_tensorflow_and_its_doctests_pass():
@@ -76,10 +76,10 @@ def test_csv_has_one_row_per_measure_and_phase_with_the_machine(tmp_path):
 def test_the_script_runs_on_the_dense_model_and_writes_every_row(tmp_path):
   out_csv = str(tmp_path / "fit_fixed_cost.csv")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit_fixed_cost.py"),
-                        "--models=dense", "--repeats=1", "--steps=2", "--top=3",
-                        f"--output={out_csv}"],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+  out = zygote.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit_fixed_cost.py"),
+                    "--models=dense", "--repeats=1", "--steps=2", "--top=3",
+                    f"--output={out_csv}"],
+                   capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "dense  private" in out.stdout and "interaction probe" in out.stdout, out.stdout
   with open(out_csv, encoding="utf-8") as f:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import fixtures
 from launch_each import checked
 import launch_each
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -538,8 +538,8 @@ def test_dp_run_refuses_to_resume_a_non_private_model_dir_and_back(quickstart_ru
 @pytest.mark.parametrize("launcher", ["quickstart", "mnist", "cifar10", "sst2"])
 def test_help_lists_the_flags_a_run_needs(launcher):
   """`--help` (not only `--helpfull`) shows the shared flags: a new user reads it first."""
-  out = subprocess.run([sys.executable, "-m", f"tf_dpnsgd.launch.{launcher}", "--help"],
-                       capture_output=True, text=True, timeout=300, env=ENV)
+  out = zygote.run([sys.executable, "-m", f"tf_dpnsgd.launch.{launcher}", "--help"],
+                   capture_output=True, text=True, timeout=300, env=ENV)
   for flag in ("--target_epsilon", "--epochs", "--batch_size", "--optimizer",
                "--learning_rate", "--model_dir", "--export_dir"):
     assert flag in out.stdout, f"{launcher} --help lacks {flag}"

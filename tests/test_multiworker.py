@@ -25,6 +25,7 @@ import pytest
 
 import dist_checks
 from launch_each import once_per_session
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 # two worker processes and a reference process (about 1 min)
 pytestmark = pytest.mark.slow
@@ -40,8 +41,8 @@ def _free_port() -> int:
 
 
 def _run_all(commands, timeout):
-  procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for cmd, env in commands]
+  procs = [zygote.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True) for cmd, env in commands]
   outputs = []
   try:
     for p in procs:

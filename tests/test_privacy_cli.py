@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import dp_accounting
@@ -13,6 +12,7 @@ import tf_dpnsgd
 from tf_dpnsgd import accounting
 from tf_dpnsgd import owned_plan
 from tf_dpnsgd.launch import privacy
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 CIFAR = ["--dataset_size=50000", "--batch_size=1000", "--epochs=100", "--delta=1e-5"]
 
@@ -171,7 +171,7 @@ def test_flags_require_exactly_one_of_each_pair(parse):
 @pytest.mark.slow
 def test_module_runs_as_a_program():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  ok = subprocess.run(
+  ok = zygote.run(
       [sys.executable, "-m", "tf_dpnsgd.privacy"] + CIFAR
       + ["--noise_multiplier=1.2", "--sampling=uniform", "--bound=min", "--json"],
       capture_output=True, text=True, env=env, timeout=120)

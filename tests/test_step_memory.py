@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import tensorflow as tf
 
 from tf_dpnsgd import noise as noise_lib
+
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,8 +79,8 @@ def test_the_train_function_holds_no_tensors_between_steps():
   env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
              CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
                  [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CONFIGS)], capture_output=True,
-                        text=True, env=env, timeout=600)
+  proc = zygote.run([sys.executable, "-c", CHILD, json.dumps(CONFIGS)], capture_output=True,
+                    text=True, env=env, timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   out = json.loads(lines[-1][len("RESULT "):])

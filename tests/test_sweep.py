@@ -6,7 +6,6 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +16,7 @@ from tf_dpnsgd import export
 from tf_dpnsgd import plots
 from tf_dpnsgd import sweeps
 from tf_dpnsgd.records import RunRecord
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -39,8 +39,8 @@ def write_tiny_mnist(path, n_train=200, n_test=100, seed=0):
 
 
 def run_sweep(*args):
-  out = subprocess.run([sys.executable, "-m", "tf_dpnsgd.launch.sweep", *args],
-                       capture_output=True, text=True, timeout=900, env=ENV)
+  out = zygote.run([sys.executable, "-m", "tf_dpnsgd.launch.sweep", *args],
+                   capture_output=True, text=True, timeout=900, env=ENV)
   if out.returncode != 0:
     raise AssertionError(f"sweep failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
   return out.stdout

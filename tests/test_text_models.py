@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import keras
@@ -15,6 +14,7 @@ pytest.importorskip("keras_hub")
 import fixtures  # noqa: E402
 import tf_dpnsgd  # noqa: E402
 from tf_dpnsgd.models import text  # noqa: E402
+import zygote  # children forked from a pre-imported process (tests/zygote.py)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -153,9 +153,9 @@ def test_make_private_fits_tiny_bert_with_dpnsgd(bert_preset):
             "from test_text_models import fit_private_text; "
             "print('FACTS' + json.dumps(fit_private_text(sys.argv[2])))")
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", CUDA_VISIBLE_DEVICES="",
-               TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
-    run = subprocess.run([sys.executable, "-c", code, TESTS_DIR, str(bert_preset)], env=env,
-                         capture_output=True, text=True, timeout=300)
+               TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    run = zygote.run([sys.executable, "-c", code, TESTS_DIR, str(bert_preset)], env=env,
+                     capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.split("FACTS", 1)[1])
   assert np.isfinite(facts["loss"])
