@@ -20,6 +20,7 @@ suite times across machines by the ratio, not to the second.
 from __future__ import annotations
 
 import os
+import sys
 import statistics
 import time
 
@@ -105,4 +106,9 @@ if __name__ == "__main__":
   # The suite's own setting (tests/conftest.py), so that the kernels timed are its kernels.
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+  if "--versions" in sys.argv[1:]:  # .ci/run: what was installed, in the same process
+    import dp_accounting  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    print("tensorflow", tf.__version__, "keras", keras.__version__, flush=True)
   print(line(calibrate()), flush=True)

@@ -22,6 +22,17 @@ import zygote
 LIGHT = ("json",)
 
 
+@pytest.fixture(autouse=True)
+def own_zygotes(monkeypatch):
+  """This module's zygotes apart from the worker's (whose TensorFlow zygote the suite's other
+  children fork from: the light ones here must not push it out), stopped after each test."""
+  mine = {}
+  monkeypatch.setattr(zygote, "_ZYGOTES", mine)
+  yield
+  for z in list(mine.values()):
+    z.close()
+
+
 def test_doctests():
   assert doctest.testmod(zygote).failed == 0
 
