@@ -209,8 +209,20 @@ def test_what_zygote_cannot_stand_in_for_runs_through_subprocess():
   assert out.stdout == "1\n"
   out = zygote.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True)
   assert out.returncode == 0 and out.stdout.strip().isdigit()
+  proc = zygote.Popen(["/bin/sh", "-c", "exit 4"])
+  assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 4
   with pytest.raises(ValueError, match="not a python command"):
-    zygote.Popen(["/bin/true"])
+    zygote.Child(["/bin/true"])
+
+
+def test_switched_off_everything_runs_through_subprocess(monkeypatch):
+  monkeypatch.setenv("TF_DPNSGD_TEST_ZYGOTE", "off")
+  code = "import os; print(os.getppid())"
+  proc = zygote.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  assert isinstance(proc, subprocess.Popen)
+  assert proc.communicate(timeout=60)[0] == f"{os.getpid()}\n"
+  assert zygote.run([sys.executable, "-c", code], capture_output=True,
+                    text=True).stdout == f"{os.getpid()}\n"
 
 
 def test_a_zygote_refuses_to_fork_once_tensorflow_runs_in_it():

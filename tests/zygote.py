@@ -12,22 +12,26 @@ fork), then becomes what a fresh ``python`` with those arguments would be:
 
 * the request's environment (``os.environ``, so ``getenv`` in C sees it too), working
   directory, ``sys.argv``, ``sys.orig_argv`` (a re-execution, e.g. under tcmalloc, starts the
-  real command) and ``sys.path[0]``; stdin from ``/dev/null`` (or ``input``), stdout and
-  stderr to files the caller reads back;
+  real command), ``sys.path`` (its first entry by the command's kind, the request's
+  ``PYTHONPATH`` after it) and a fresh ``__main__``; stdin from ``/dev/null`` (or ``input``),
+  stdout and stderr to files the caller reads back;
 * a new process group (a timeout kills the child and whatever it started);
 * Python's and NumPy's global random state reseeded from the OS (a fork would otherwise share
   the zygote's); TensorFlow's runtime and seeds start fresh (never initialised before the
   fork);
-* it exits as an interpreter does: ``SystemExit``'s code, a traceback and status 1 for an
-  exception, atexit handlers and buffers flushed; killed by a signal, ``returncode`` is minus
-  its number, as ``subprocess`` reports.
+* it exits as an interpreter does (:func:`_exit_as_an_interpreter`): ``SystemExit``'s code, a
+  traceback from the command's own frames and status 1 for an exception, non-daemon threads
+  joined, atexit handlers run, what the command's modules held finalized, buffers flushed;
+  killed by a signal, ``returncode`` is minus its number, as ``subprocess`` reports.
 
 What is read once at import time cannot be changed after it, so zygotes are kept per value of
-the import-time environment (:func:`import_key`: ``TF_*`` but ``TF_CONFIG``, ``XLA_*``,
-``KERAS*``, ``CUDA*``, ``PYTHON*``, ``LD_*``, allocator, threading and home variables): a
-request with another ``TF_CPP_MIN_LOG_LEVEL`` or ``TF_ENABLE_ONEDNN_OPTS`` gets its own
-zygote. Anything this module cannot stand in for (another executable, interpreter options,
-``TF_DPNSGD_TEST_ZYGOTE=off``, no ``os.fork``) runs through ``subprocess`` unchanged.
+the import-time environment (:func:`import_key`: ``TF_*`` but ``TF_CONFIG`` and the library's
+``TF_DPNSGD_*``, ``XLA_*``, ``KERAS*``, ``CUDA*``, ``PYTHON*``, ``LD_*``, allocator, threading
+and home variables; ``PYTHONPATH`` where it would shadow a preloaded package): a request with
+another ``TF_CPP_MIN_LOG_LEVEL`` or ``TF_ENABLE_ONEDNN_OPTS`` gets its own zygote (at most
+:data:`MAX_ZYGOTES` kept per process). Anything this module cannot stand in for (another
+executable, interpreter options, ``TF_DPNSGD_TEST_ZYGOTE=off``, no ``os.fork``) runs through
+``subprocess`` unchanged; ``TF_DPNSGD_TEST_ZYGOTE_LOG=<file>`` logs each zygote and fork.
 
 Tests whose subject is a fresh process itself (what is logged or imported at start-up, the
 allocator's re-execution, child pytest sessions) keep ``subprocess``.
@@ -266,7 +270,22 @@ def _close_all():
   _ZYGOTES.clear()
 
 
-class Popen:
+def Popen(args, **kwargs):  # noqa: N802 (subprocess's name)
+  """``subprocess.Popen`` for a ``python`` command: a :class:`Child` forked from a zygote where
+  this module can stand in for a fresh interpreter, else ``subprocess.Popen`` itself (the
+  keywords of :class:`Child` only; ``input`` goes to the child's stdin)."""
+  if enabled() and parse_command(args) is not None:
+    return Child(args, **kwargs)
+  kwargs.pop("preload", None)
+  data = kwargs.pop("input", None)
+  proc = subprocess.Popen(args, stdin=subprocess.PIPE if data is not None else None, **kwargs)
+  if data is not None:
+    proc.stdin.write(data)
+    proc.stdin.close()
+  return proc
+
+
+class Child:
   """A child forked from a zygote, with the part of ``subprocess.Popen``'s interface the
   suite uses (``stdout``/``stderr``: ``subprocess.PIPE`` (read by :meth:`communicate` after
   the child exits), ``subprocess.DEVNULL``, ``subprocess.STDOUT`` for stderr, or None: the
@@ -375,7 +394,7 @@ def run(args, *, capture_output=False, text=False, timeout=None, env=None, cwd=N
   if not enabled() or parse_command(args) is None:
     return subprocess.run(args, text=text, timeout=timeout, env=env, cwd=cwd, check=check,
                           input=input, stdout=stdout, stderr=stderr)
-  proc = Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, input=input,
+  proc = Child(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, input=input,
                preload=preload)
   try:
     out, err = proc.communicate(timeout=timeout)
