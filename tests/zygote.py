@@ -63,6 +63,7 @@ _IMPORT_TIME = re.compile(r"^(TF_(?!CONFIG$|DPNSGD_)|XLA_|KERAS|CUDA|PYTHON(?!PA
                           r"GLIBC|TCMALLOC|OMP_|MKL|ONEDNN|DNNL|OPENBLAS|HOME$|TMPDIR$|TEMP$|TMP$)")
 _READY = "ZYGOTE_READY"
 _START_TIMEOUT_S = 600
+_FORK_TIMEOUT_S = 120
 
 
 def _pythonpath(env) -> list:
@@ -154,6 +155,11 @@ class _Zygote:
       if self._dead:
         raise ZygoteError(f"the zygote failed: {self._dead}: {self._stderr()}")
 
+  @property
+  def dead(self) -> bool:
+    with self._cond:
+      return self._dead is not None
+
   def _stderr(self) -> str:
     try:
       self._err.seek(0)
@@ -186,10 +192,12 @@ class _Zygote:
       ident = self._next
       self._proc.stdin.write(json.dumps(dict(request, id=ident)) + "\n")
       self._proc.stdin.flush()
-      self._cond.wait_for(lambda: "pid" in self._replies.get(ident, {}) or self._dead)
+      self._cond.wait_for(lambda: "pid" in self._replies.get(ident, {}) or self._dead,
+                          _FORK_TIMEOUT_S)
       reply = self._replies.get(ident, {})
       if "error" in reply or "pid" not in reply:
-        raise ZygoteError(f"the zygote could not fork: {reply.get('error') or self._dead}")
+        raise ZygoteError("the zygote could not fork: "
+                          f"{reply.get('error') or self._dead or 'no answer in time'}")
       return ident, reply["pid"]
 
   def returncode(self, ident, timeout=None):
@@ -250,6 +258,8 @@ MAX_ZYGOTES = 3
 def _zygote_for(env, preload=PRELOAD) -> _Zygote:
   key = (import_key(env, preload), tuple(preload))
   with _ZYGOTES_LOCK:
+    if key in _ZYGOTES and _ZYGOTES[key].dead:
+      _ZYGOTES.pop(key)  # a zygote that died (its error went to its callers): a new one
     if key in _ZYGOTES:
       _ZYGOTES[key] = _ZYGOTES.pop(key)  # most recently used last
     else:
