@@ -20,6 +20,7 @@ import pytest
 import zygote
 
 LIGHT = ("json",)
+WORKERS_ZYGOTES = zygote._ZYGOTES  # pylint: disable=protected-access  # the suite's children's
 
 
 @pytest.fixture(autouse=True)
@@ -248,9 +249,12 @@ def test_a_zygote_refuses_to_fork_once_tensorflow_runs_in_it():
 
 
 @pytest.mark.slow
-def test_the_suites_preload_forks_a_tensorflow_child_that_trains():
+def test_the_suites_preload_forks_a_tensorflow_child_that_trains(monkeypatch):
   """The real preload (TensorFlow, Keras, keras-hub, the library): a child builds and fits a
-  model, the same as a fresh process (no runtime or flags inherited)."""
+  model, the same as a fresh process (no runtime or flags inherited). It forks from the
+  worker's own zygote, the one the suite's other children fork from (started here if none
+  has been yet)."""
+  monkeypatch.setattr(zygote, "_ZYGOTES", WORKERS_ZYGOTES)
   code = textwrap.dedent("""
       import json, sys
       import keras, numpy as np, tensorflow as tf
