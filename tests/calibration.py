@@ -20,8 +20,8 @@ suite times across machines by the ratio, not to the second.
 from __future__ import annotations
 
 import os
-import sys
 import statistics
+import sys
 import time
 
 #: Repeats of the timed workload (the median is reported).
