@@ -458,11 +458,13 @@ def _become(request):
   stdin = opened(request["stdin"] or os.devnull, write=False)
   out = opened(request["stdout"], write=True)
   err = out if request["stderr"] == request["stdout"] else opened(request["stderr"], write=True)
-  # fds 0-2 of the zygote are its protocol pipes and the caller's stderr: replace them.
+  # fd 0 of the zygote is its request pipe; its fds 1 and 2 both go to its stderr file, where
+  # an output not redirected stays.
   os.dup2(stdin, 0)
-  os.dup2(out if out is not None else _INHERITED[1], 1)
-  os.dup2(err if err is not None else _INHERITED[2], 2)
-  for fd in {stdin, out, err, *_INHERITED.values()} - {None, 0, 1, 2}:
+  for fd, target in ((out, 1), (err, 2)):
+    if fd is not None:
+      os.dup2(fd, target)
+  for fd in {stdin, out, err} - {None, 0, 1, 2}:
     os.close(fd)
   sys.stdin = open(0, "r", closefd=False)  # noqa: SIM115
   sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
@@ -559,7 +561,6 @@ def _exit_as_an_interpreter(run) -> None:
   os_._exit(code)
 
 
-_INHERITED = {}
 _PRELOADED = set()  # the modules imported at the fork (the child's tear-down leaves them)
 _RUNPY = os.path.join(os.path.dirname(os.__file__), "runpy.py")
 
@@ -574,9 +575,6 @@ def _serve(preload) -> None:
     importlib.import_module(name)
   import gc  # pylint: disable=g-import-not-at-top
   gc.freeze()  # the children's collections skip what was imported (and their pages stay shared)
-  # The zygote's stderr (a file of the caller's) for children that do not redirect output.
-  _INHERITED[1] = os.dup(2)
-  _INHERITED[2] = os.dup(2)
   wake_r, wake_w = os.pipe()
   os.set_blocking(wake_w, False)
   signal.set_wakeup_fd(wake_w)
