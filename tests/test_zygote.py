@@ -298,3 +298,115 @@ def test_a_zygote_that_died_is_replaced_and_its_waiting_caller_told():
   out = zygote.run([sys.executable, "-c", "print('again')"], preload=LIGHT, capture_output=True,
                    text=True)
   assert out.stdout == "again\n" and first.dead
+
+
+# --- a child's own python children (a launcher's, a sweep's, a benchmark's) -----------------
+# The child below runs `subprocess.run` as a library would; forked from a zygote, its python
+# children are forked from the worker's zygote too (through the relay), with the real run's
+# outputs, status, `check` and timeout. "json" in sys.modules tells a fork of a LIGHT zygote
+# (which imported it) from a fresh interpreter (which does not at start-up).
+INNER = "import sys; print('json' in sys.modules); sys.stderr.write('to stderr'); sys.exit(4)"
+
+
+def test_a_childs_python_children_fork_from_the_zygote_with_the_real_runs_results(tmp_path):
+  code = textwrap.dedent(f"""
+      import json, subprocess, sys
+      inner = {INNER!r}
+      captured = subprocess.run([sys.executable, "-c", inner], capture_output=True, text=True)
+      raw = subprocess.run([sys.executable, "-c", inner], capture_output=True)
+      with open({str(tmp_path / 'log')!r}, "w") as log:
+        log.write("before\\n")
+        log.flush()
+        subprocess.run([sys.executable, "-c", inner], stdout=log, stderr=subprocess.STDOUT)
+      try:
+        subprocess.run([sys.executable, "-c", inner], check=True, capture_output=True)
+        checked = None
+      except subprocess.CalledProcessError as exc:
+        checked = [exc.returncode, exc.stderr.decode()]
+      fed = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.read()[::-1])"],
+                           input="olleh", capture_output=True, text=True).stdout
+      sys.stdout.flush()
+      inherited = subprocess.run([sys.executable, "-c", "print('inherited')"]).returncode
+      print(json.dumps([captured.returncode, captured.stdout, captured.stderr, raw.stdout.decode(),
+                        checked, fed, inherited, open({str(tmp_path / 'log')!r}).read()]))
+  """)
+  forked = zygote.run([sys.executable, "-c", code], preload=LIGHT, capture_output=True,
+                      text=True, timeout=120)
+  fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+  assert fresh.returncode == 0, fresh.stderr
+  assert forked.returncode == 0, forked.stderr
+  lines_forked, lines_fresh = forked.stdout.splitlines(), fresh.stdout.splitlines()
+  assert lines_forked[0] == lines_fresh[0] == "inherited"
+  got, want = json.loads(lines_forked[1]), json.loads(lines_fresh[1])
+  # Forked: every python grandchild saw the zygote's preload; fresh: none did.
+  assert want == [4, "False\n", "to stderr", "False\n", [4, "to stderr"], "hello\n", 0,
+                  "before\nFalse\nto stderr"]
+  assert got[:7] == [4, "True\n", "to stderr", "True\n", [4, "to stderr"], "hello\n", 0]
+  assert got[7].replace("True", "False") == want[7]
+
+
+def test_a_childs_children_of_children_fork_and_other_commands_run_fresh():
+  code = textwrap.dedent("""
+      import subprocess, sys
+      run = lambda args: subprocess.run(args, capture_output=True, text=True).stdout.strip()
+      probe = "import sys; print('json' in sys.modules)"
+      nested = "import subprocess, sys; print(subprocess.run([sys.executable, '-c', %r], " \\
+               "capture_output=True, text=True).stdout.strip())" % probe
+      print(run([sys.executable, "-c", nested]),        # a grandchild's own child: forked
+            run([sys.executable, "-I", "-c", probe]),   # interpreter options: fresh
+            subprocess.run(f"{sys.executable} -c \\"{probe}\\"", shell=True,
+                           capture_output=True, text=True).stdout.strip(),  # a shell: fresh
+            run(["/bin/echo", "echo"]))
+  """)
+  out = zygote.run([sys.executable, "-c", code], preload=LIGHT, capture_output=True, text=True,
+                   timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout == "True False False echo\n"
+
+
+def _gone(pid, within_s=15.0):
+  deadline = time.time() + within_s
+  while time.time() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().split(")")[-1].split()[0] == "Z":
+          return True
+    except FileNotFoundError:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def test_a_childs_child_is_killed_by_its_timeout_or_when_the_child_dies(tmp_path):
+  sleeper = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+             "time.sleep(600)")
+  code = textwrap.dedent(f"""
+      import subprocess, sys, time
+      start = time.monotonic()
+      try:
+        subprocess.run([sys.executable, "-c", {sleeper!r}, sys.argv[1]], timeout=float(sys.argv[2]))
+      except subprocess.TimeoutExpired as exc:
+        print("timed out", round(exc.timeout), time.monotonic() - start < 60)
+  """)
+  pid_file = tmp_path / "timed_out"
+  for timeout in (1.0, 5.0, 30.0):  # longer only where a loaded machine had not started it
+    out = zygote.run([sys.executable, "-c", code, str(pid_file), str(timeout)], preload=LIGHT,
+                     capture_output=True, text=True, timeout=120)
+    assert out.stdout == f"timed out {round(timeout)} True\n", out.stderr
+    if pid_file.exists() and pid_file.read_text():
+      break
+  assert _gone(int(pid_file.read_text()))
+  # The child killed while its own child runs: that child goes with it.
+  pid_file = tmp_path / "orphaned"
+  parent = zygote.Popen([sys.executable, "-c", code, str(pid_file), "600"], preload=LIGHT)
+  deadline = time.time() + 60
+  while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+    time.sleep(0.05)
+  parent.kill()
+  assert parent.wait(timeout=30) == -signal.SIGKILL
+  assert _gone(int(pid_file.read_text()))

@@ -33,6 +33,15 @@ another ``TF_CPP_MIN_LOG_LEVEL`` or ``TF_ENABLE_ONEDNN_OPTS`` gets its own zygot
 executable, interpreter options, ``TF_DPNSGD_TEST_ZYGOTE=off``, no ``os.fork``) runs through
 ``subprocess`` unchanged; ``TF_DPNSGD_TEST_ZYGOTE_LOG=<file>`` logs each zygote and fork.
 
+A forked child's own ``subprocess.run([sys.executable, ...])`` (a sweep's cells, a benchmark
+script's children, what those start in turn) is forked the same way: the child's
+``subprocess.run`` sends the command to a Unix socket of the pytest worker (:class:`_Relay`),
+which forks it from its zygote for that environment and answers with its pid and exit
+status; outputs go to the files or pipes the run asked for (``/proc/<pid>/fd/<n>`` of the
+asking process for an inherited or given file), a timeout kills the child's process group,
+and a child whose asker dies is killed with it (:func:`_routed_run`). ``Popen`` and the rest
+of ``subprocess`` stay the real ones.
+
 Tests whose subject is a fresh process itself (what is logged or imported at start-up, the
 allocator's re-execution, child pytest sessions) keep ``subprocess``.
 """
@@ -45,6 +54,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -278,6 +288,9 @@ def _close_all():
   for z in list(_ZYGOTES.values()):
     z.close()
   _ZYGOTES.clear()
+  if _RELAY is not None:
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(_RELAY.dir, ignore_errors=True)
 
 
 def Popen(args, **kwargs):  # noqa: N802 (subprocess's name)
@@ -320,7 +333,7 @@ class Child:
     request = {"kind": kind, "target": target, "rest": rest, "env": env,
                "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
                "stdin": stdin_path, "stdout": self._out, "stderr": self._err,
-               "orig_argv": [os.fspath(a) for a in args]}
+               "orig_argv": [os.fspath(a) for a in args], "relay": _relay().path}
     self._zygote = _zygote_for(env, preload)
     self._id, self.pid = self._zygote.start(request)
     _log(event="fork", kind=kind, target=target[:80])
@@ -395,6 +408,79 @@ class Child:
     self.communicate()
 
 
+class _Relay:
+  """A Unix socket on which this process's forked children (and theirs) ask for children of
+  their own: a ``subprocess.run([sys.executable, ...])`` in a launcher, a sweep or a benchmark
+  script (:func:`_routed_run`) is forked from this process's zygote of the same import-time
+  environment, as this process's own children are. One thread per request; a requester that
+  goes away before its child has exited takes the child's process group with it (as a
+  ``subprocess`` child in its own group would be taken by a ``killpg`` of the requester's)."""
+
+  def __init__(self):
+    self.dir = tempfile.mkdtemp(prefix="zygote_relay_")
+    self.path = os.path.join(self.dir, "socket")
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._sock.bind(self.path)
+    self._sock.listen(16)
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:
+        return
+      threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+  def _serve_one(self, conn):
+    with conn:
+      try:
+        buf = b""
+        while not buf.endswith(b"\n"):
+          chunk = conn.recv(1 << 16)
+          if not chunk:
+            return
+          buf += chunk
+        request = json.loads(buf)
+        preload = request.pop("preload")
+        try:
+          zyg = _zygote_for(request["env"], preload)
+          ident, pid = zyg.start(dict(request, relay=self.path))
+        except ZygoteError as exc:
+          conn.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
+          return
+        _log(event="fork", kind=request["kind"], target=request["target"][:80], relayed=True)
+        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        while True:
+          try:
+            code = zyg.returncode(ident, timeout=0.2)
+          except ZygoteError as exc:
+            conn.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
+            return
+          if code is not None:
+            conn.sendall((json.dumps({"returncode": code}) + "\n").encode())
+            return
+          readable, _, _ = select.select([conn], [], [], 0)
+          if readable and not conn.recv(1, socket.MSG_PEEK):  # the requester is gone
+            try:
+              os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+              pass
+      except OSError:
+        return
+
+
+_RELAY = None
+
+
+def _relay() -> _Relay:
+  global _RELAY
+  with _ZYGOTES_LOCK:
+    if _RELAY is None:
+      _RELAY = _Relay()
+    return _RELAY
+
+
 def run(args, *, capture_output=False, text=False, timeout=None, env=None, cwd=None,
         check=False, input=None, stdout=None, stderr=None, preload=PRELOAD):  # noqa: A002
   """``subprocess.run`` for a ``python`` command, forked from a zygote where this module can
@@ -436,6 +522,149 @@ def _pristine(preload) -> str:
   if threading.active_count() != 1:
     problems.append(f"{threading.active_count()} Python threads")
   return "; ".join(problems)
+
+
+# subprocess.run's keywords a routed run stands in for (others: the real run).
+_ROUTABLE = frozenset(("input", "capture_output", "timeout", "check", "stdin", "stdout", "stderr",
+                       "env", "cwd", "text", "universal_newlines", "encoding", "errors"))
+
+
+def _fd_path(fd):
+  """A path that opens what ``fd`` of this process is (a regular file, a pipe or a device: a
+  socket cannot be opened so), else None."""
+  import stat  # pylint: disable=g-import-not-at-top
+  try:
+    mode = os.fstat(fd).st_mode
+  except OSError:
+    return None
+  if stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+    return f"/proc/{os.getpid()}/fd/{fd}"
+  return None
+
+
+def _routed_run(relay, preload, real_run, *popenargs, **kwargs):
+  """``subprocess.run`` in a forked child (installed by :func:`_become`): a ``python`` command
+  this module can stand in for is forked from the worker's zygote through its relay
+  (:class:`_Relay`), with the outputs, status, timeout and ``check`` of the real run; anything
+  else, or a relay that cannot fork, goes to the real run."""
+  args = popenargs[0] if len(popenargs) == 1 else kwargs.get("args")
+  if (len(popenargs) != 1 or set(kwargs) - _ROUTABLE or not isinstance(args, (list, tuple))
+      or parse_command(args) is None):
+    return real_run(*popenargs, **kwargs)
+  kind, target, rest = parse_command(args)
+  stdout, stderr = kwargs.get("stdout"), kwargs.get("stderr")
+  if kwargs.get("capture_output"):
+    if stdout is not None or stderr is not None:
+      raise ValueError("stdout and stderr arguments may not be used with capture_output.")
+    stdout = stderr = subprocess.PIPE
+  temps = []
+
+  def temp():
+    fd, path = tempfile.mkstemp(prefix="zygote_")
+    os.close(fd)
+    temps.append(path)
+    return path
+
+  def output(spec, fd):
+    if spec is None:
+      return _fd_path(fd)
+    if spec == subprocess.PIPE:
+      return temp()
+    if spec == subprocess.DEVNULL:
+      return os.devnull
+    if isinstance(spec, int) and spec >= 0:
+      return _fd_path(spec)
+    if hasattr(spec, "fileno"):
+      return _fd_path(spec.fileno())
+    return None
+
+  stdin = kwargs.get("stdin")
+  data = kwargs.get("input")
+  if data is not None:
+    stdin_path = temp()
+    with open(stdin_path, "wb") as f:
+      f.write(data.encode(kwargs.get("encoding") or "utf-8") if isinstance(data, str) else data)
+  else:
+    stdin_path = output(stdin, 0) if stdin != subprocess.PIPE else None
+  out_path = output(stdout, 1)
+  err_path = out_path if stderr == subprocess.STDOUT else output(stderr, 2)
+  if None in (stdin_path, out_path, err_path):
+    for path in temps:
+      os.remove(path)
+    return real_run(*popenargs, **kwargs)
+  env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+  cwd = kwargs.get("cwd")
+  request = {"kind": kind, "target": os.fspath(target), "rest": [os.fspath(a) for a in rest],
+             "env": env, "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
+             "stdin": stdin_path, "stdout": out_path, "stderr": err_path,
+             "orig_argv": [os.fspath(a) for a in args], "preload": list(preload)}
+  import time  # pylint: disable=g-import-not-at-top
+  timeout = kwargs.get("timeout")
+  deadline = None if timeout is None else time.monotonic() + timeout
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  buf = b""
+
+  def reply(until):
+    nonlocal buf
+    while b"\n" not in buf:
+      wait = None if until is None else max(0.0, until - time.monotonic())
+      if not select.select([sock], [], [], wait)[0]:
+        return None
+      chunk = sock.recv(1 << 16)
+      if not chunk:
+        raise ZygoteError("the relay closed the connection")
+      buf += chunk
+    line, _, buf = buf.partition(b"\n")
+    return json.loads(line)
+
+  pid = code = None
+  try:
+    sock.connect(relay)
+    sock.sendall((json.dumps(request) + "\n").encode())
+    started = reply(None)
+    if "pid" not in started:  # the zygote could not fork: a fresh process, as without it
+      return real_run(*popenargs, **kwargs)
+    pid = started["pid"]
+    done = reply(deadline)
+    expired = done is None
+    if expired:  # timed out: kill its group, as subprocess.run kills its child
+      os.killpg(pid, signal.SIGKILL)
+      done = reply(None)
+    if "returncode" not in done:
+      raise ZygoteError(done.get("error", "no exit status"))
+    code = done["returncode"]
+    text = bool(kwargs.get("text") or kwargs.get("universal_newlines") or kwargs.get("encoding")
+                or kwargs.get("errors"))
+
+    def read(path, spec):
+      if spec != subprocess.PIPE:
+        return None
+      if text:
+        with open(path, encoding=kwargs.get("encoding"), errors=kwargs.get("errors")) as f:
+          return f.read()
+      with open(path, "rb") as f:
+        return f.read()
+
+    out = read(out_path, stdout)
+    err = None if stderr == subprocess.STDOUT else read(err_path, stderr)
+    if expired:
+      raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err)
+    result = subprocess.CompletedProcess(args, code, out, err)
+    if kwargs.get("check"):
+      result.check_returncode()
+    return result
+  finally:
+    if pid is not None and code is None:  # interrupted while it ran: it does not outlive us
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    sock.close()
+    for path in temps:
+      try:
+        os.remove(path)
+      except OSError:
+        pass
 
 
 def _become(request):
@@ -484,6 +713,10 @@ def _become(request):
   if "numpy" in sys.modules:
     sys.modules["numpy"].random.seed()
   sys.orig_argv = request["orig_argv"]
+  if request.get("relay"):  # the command's own python children fork from a zygote too
+    import functools  # pylint: disable=g-import-not-at-top
+    subprocess.run = functools.partial(_routed_run, request["relay"], _OWN_PRELOAD,
+                                       subprocess.run)
 
   kind, target, rest = request["kind"], request["target"], request["rest"]
   import types  # pylint: disable=g-import-not-at-top
@@ -561,12 +794,14 @@ def _exit_as_an_interpreter(run) -> None:
   os_._exit(code)
 
 
+_OWN_PRELOAD = []  # what this zygote imported (its children's children ask for the same)
 _PRELOADED = set()  # the modules imported at the fork (the child's tear-down leaves them)
 _RUNPY = os.path.join(os.path.dirname(os.__file__), "runpy.py")
 
 
 def _serve(preload) -> None:
   import importlib  # pylint: disable=g-import-not-at-top
+  _OWN_PRELOAD[:] = preload
   # Replies on a copy of fd 1; fd 1 itself goes to stderr, so that nothing a preloaded module
   # prints can garble them.
   protocol_out = os.fdopen(os.dup(1), "w", buffering=1)
