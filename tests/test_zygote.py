@@ -50,6 +50,7 @@ def both(args, **kwargs):
     ("import sys; sys.exit('a message')", 1), ("raise ValueError('boom')", 1),
     ("import sys; sys.stdout.write('no newline'); sys.stderr.write('err')", 0),
     ("print('x' * 200000)", 0), ("import atexit; atexit.register(print, 'at exit')", 0),
+    ("raise KeyboardInterrupt", -signal.SIGINT),
 ])
 def test_exit_status_and_output_are_a_fresh_interpreters(code, status):
   forked, fresh = both([sys.executable, "-c", code, "arg"])

@@ -20,7 +20,8 @@ fork), then becomes what a fresh ``python`` with those arguments would be:
   the zygote's); TensorFlow's runtime and seeds start fresh (never initialised before the
   fork);
 * it exits as an interpreter does (:func:`_exit_as_an_interpreter`): ``SystemExit``'s code, a
-  traceback from the command's own frames and status 1 for an exception, non-daemon threads
+  traceback from the command's own frames and status 1 for an exception (killed by SIGINT for an
+  uncaught ``KeyboardInterrupt``, as the interpreter ends), non-daemon threads
   joined, atexit handlers run, what the command's modules held finalized, buffers flushed;
   killed by a signal, ``returncode`` is minus its number, as ``subprocess`` reports.
 
@@ -754,7 +755,8 @@ def _exit_as_an_interpreter(run) -> None:
   presumably)."""
   import atexit as atexit_  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
-  os_, sys_, threading_, preloaded = os, sys, threading, _PRELOADED  # the command may rebind
+  # The command may rebind this module's globals.
+  os_, sys_, threading_, signal_, preloaded = os, sys, threading, signal, _PRELOADED
   ours = (__file__, _RUNPY)
   try:
     run()
@@ -772,7 +774,8 @@ def _exit_as_an_interpreter(run) -> None:
     while tb is not None and tb.tb_frame.f_code.co_filename in ours:
       tb = tb.tb_next
     sys_.excepthook(type(exc), exc.with_traceback(tb), tb)
-    code = 1
+    # An uncaught KeyboardInterrupt ends the interpreter by SIGINT (status -2 to its parent).
+    code = -signal_.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
   for thread in threading_.enumerate():
     if thread is not threading_.main_thread() and not thread.daemon:
       thread.join()
@@ -791,6 +794,9 @@ def _exit_as_an_interpreter(run) -> None:
       stream.flush()
     except (OSError, ValueError):
       pass
+  if code < 0:
+    signal_.signal(-code, signal_.SIG_DFL)
+    os_.kill(os_.getpid(), -code)
   os_._exit(code)
 
 
