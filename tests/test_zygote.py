@@ -349,7 +349,7 @@ def test_a_childs_python_children_fork_from_the_zygote_with_the_real_runs_result
 
 def test_a_childs_children_of_children_fork_and_other_commands_run_fresh():
   code = textwrap.dedent("""
-      import subprocess, sys
+      import os, subprocess, sys
       run = lambda args: subprocess.run(args, capture_output=True, text=True).stdout.strip()
       probe = "import sys; print('json' in sys.modules)"
       nested = "import subprocess, sys; print(subprocess.run([sys.executable, '-c', %r], " \\
@@ -358,12 +358,15 @@ def test_a_childs_children_of_children_fork_and_other_commands_run_fresh():
             run([sys.executable, "-I", "-c", probe]),   # interpreter options: fresh
             subprocess.run(f"{sys.executable} -c \\"{probe}\\"", shell=True,
                            capture_output=True, text=True).stdout.strip(),  # a shell: fresh
-            run(["/bin/echo", "echo"]))
+            run(["/bin/echo", "echo"]),
+            # switched off in the child's environment: fresh
+            subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           env=dict(os.environ, TF_DPNSGD_TEST_ZYGOTE="off")).stdout.strip())
   """)
   out = zygote.run([sys.executable, "-c", code], preload=LIGHT, capture_output=True, text=True,
                    timeout=120)
   assert out.returncode == 0, out.stderr
-  assert out.stdout == "True False False echo\n"
+  assert out.stdout == "True False False echo False\n"
 
 
 def _gone(pid, within_s=15.0):

@@ -549,8 +549,9 @@ def _routed_run(relay, preload, real_run, *popenargs, **kwargs):
   (:class:`_Relay`), with the outputs, status, timeout and ``check`` of the real run; anything
   else, or a relay that cannot fork, goes to the real run."""
   args = popenargs[0] if len(popenargs) == 1 else kwargs.get("args")
-  if (len(popenargs) != 1 or set(kwargs) - _ROUTABLE or not isinstance(args, (list, tuple))
-      or parse_command(args) is None):
+  switched_off = not enabled() or (kwargs.get("env") or {}).get("TF_DPNSGD_TEST_ZYGOTE") == "off"
+  if (switched_off or len(popenargs) != 1 or set(kwargs) - _ROUTABLE
+      or not isinstance(args, (list, tuple)) or parse_command(args) is None):
     return real_run(*popenargs, **kwargs)
   kind, target, rest = parse_command(args)
   stdout, stderr = kwargs.get("stdout"), kwargs.get("stderr")
