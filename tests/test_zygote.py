@@ -414,3 +414,19 @@ def test_a_childs_child_is_killed_by_its_timeout_or_when_the_child_dies(tmp_path
   parent.kill()
   assert parent.wait(timeout=30) == -signal.SIGKILL
   assert _gone(int(pid_file.read_text()))
+
+
+def test_without_a_relay_a_childs_children_start_through_subprocess(tmp_path, monkeypatch):
+  """Where no Unix socket can be made (here: a temporary folder whose path is longer than a
+  socket address may be), forked children still run; their own children start fresh."""
+  long_dir = tmp_path / ("d" * 120)
+  long_dir.mkdir()
+  monkeypatch.setattr(zygote, "_RELAY", None)
+  monkeypatch.setattr(zygote.tempfile, "tempdir", str(long_dir))
+  code = ("import subprocess, sys; print(subprocess.run([sys.executable, '-c', "
+          "\"import sys; print('json' in sys.modules)\"], capture_output=True, "
+          "text=True).stdout.strip())")
+  out = zygote.run([sys.executable, "-c", code], preload=LIGHT, capture_output=True, text=True,
+                   timeout=120)
+  assert zygote._RELAY is False  # pylint: disable=protected-access
+  assert (out.returncode, out.stdout) == (0, "False\n"), out.stderr

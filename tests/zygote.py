@@ -289,7 +289,7 @@ def _close_all():
   for z in list(_ZYGOTES.values()):
     z.close()
   _ZYGOTES.clear()
-  if _RELAY is not None:
+  if _RELAY:
     import shutil  # pylint: disable=g-import-not-at-top
     shutil.rmtree(_RELAY.dir, ignore_errors=True)
 
@@ -334,7 +334,7 @@ class Child:
     request = {"kind": kind, "target": target, "rest": rest, "env": env,
                "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
                "stdin": stdin_path, "stdout": self._out, "stderr": self._err,
-               "orig_argv": [os.fspath(a) for a in args], "relay": _relay().path}
+               "orig_argv": [os.fspath(a) for a in args], "relay": _relay_path()}
     self._zygote = _zygote_for(env, preload)
     self._id, self.pid = self._zygote.start(request)
     _log(event="fork", kind=kind, target=target[:80])
@@ -421,8 +421,13 @@ class _Relay:
     self.dir = tempfile.mkdtemp(prefix="zygote_relay_")
     self.path = os.path.join(self.dir, "socket")
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._sock.bind(self.path)
-    self._sock.listen(16)
+    try:
+      self._sock.bind(self.path)
+      self._sock.listen(16)
+    except OSError:
+      self._sock.close()
+      os.rmdir(self.dir)
+      raise
     threading.Thread(target=self._accept, daemon=True).start()
 
   def _accept(self):
@@ -474,12 +479,19 @@ class _Relay:
 _RELAY = None
 
 
-def _relay() -> _Relay:
+def _relay_path():
+  """The relay's socket path (started on first use), or None where none can be made (e.g. a
+  ``TMPDIR`` too long for a Unix socket's address): the children's own children then start
+  through ``subprocess``, as before the relay."""
   global _RELAY
   with _ZYGOTES_LOCK:
     if _RELAY is None:
-      _RELAY = _Relay()
-    return _RELAY
+      try:
+        _RELAY = _Relay()
+      except OSError as exc:
+        _log(event="no relay", error=str(exc))
+        _RELAY = False
+    return _RELAY.path if _RELAY else None
 
 
 def run(args, *, capture_output=False, text=False, timeout=None, env=None, cwd=None,
