@@ -50,6 +50,7 @@ allocator's re-execution, child pytest sessions) keep ``subprocess``.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import re
@@ -340,10 +341,7 @@ class Child:
     _log(event="fork", kind=kind, target=target[:80])
 
   def _temp(self) -> str:
-    fd, path = tempfile.mkstemp(prefix="zygote_")
-    os.close(fd)
-    self._files.append(path)
-    return path
+    return _temp_file(self._files)
 
   def _file(self, spec):
     if spec is None:
@@ -409,6 +407,44 @@ class Child:
     self.communicate()
 
 
+def _temp_file(keep: list) -> str:
+  """The path of a new empty temporary file, appended to ``keep`` (the caller removes them)."""
+  fd, path = tempfile.mkstemp(prefix="zygote_")
+  os.close(fd)
+  keep.append(path)
+  return path
+
+
+def _send(sock, **msg) -> None:
+  """One JSON line to ``sock`` (the relay's protocol)."""
+  sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+class _Lines:
+  """The JSON lines read from a socket, one at a time (the relay's protocol)."""
+
+  def __init__(self, sock):
+    self._sock, self._buf = sock, b""
+
+  def next(self, deadline=None):
+    """The next message; None if ``deadline`` (``time.monotonic()``) passes first.
+
+    Raises:
+      EOFError: the other side closed the connection before a whole line.
+    """
+    import time  # pylint: disable=g-import-not-at-top
+    while b"\n" not in self._buf:
+      wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+      if not select.select([self._sock], [], [], wait)[0]:
+        return None
+      chunk = self._sock.recv(1 << 16)
+      if not chunk:
+        raise EOFError
+      self._buf += chunk
+    line, _, self._buf = self._buf.partition(b"\n")
+    return json.loads(line)
+
+
 class _Relay:
   """A Unix socket on which this process's forked children (and theirs) ask for children of
   their own: a ``subprocess.run([sys.executable, ...])`` in a launcher, a sweep or a benchmark
@@ -441,30 +477,27 @@ class _Relay:
   def _serve_one(self, conn):
     with conn:
       try:
-        buf = b""
-        while not buf.endswith(b"\n"):
-          chunk = conn.recv(1 << 16)
-          if not chunk:
-            return
-          buf += chunk
-        request = json.loads(buf)
+        try:
+          request = _Lines(conn).next()
+        except EOFError:
+          return
         preload = request.pop("preload")
         try:
           zyg = _zygote_for(request["env"], preload)
           ident, pid = zyg.start(dict(request, relay=self.path))
         except ZygoteError as exc:
-          conn.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
+          _send(conn, error=str(exc))
           return
         _log(event="fork", kind=request["kind"], target=request["target"][:80], relayed=True)
-        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        _send(conn, pid=pid)
         while True:
           try:
             code = zyg.returncode(ident, timeout=0.2)
           except ZygoteError as exc:
-            conn.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
+            _send(conn, error=str(exc))
             return
           if code is not None:
-            conn.sendall((json.dumps({"returncode": code}) + "\n").encode())
+            _send(conn, returncode=code)
             return
           readable, _, _ = select.select([conn], [], [], 0)
           if readable and not conn.recv(1, socket.MSG_PEEK):  # the requester is gone
@@ -572,12 +605,7 @@ def _routed_run(relay, preload, real_run, *popenargs, **kwargs):
       raise ValueError("stdout and stderr arguments may not be used with capture_output.")
     stdout = stderr = subprocess.PIPE
   temps = []
-
-  def temp():
-    fd, path = tempfile.mkstemp(prefix="zygote_")
-    os.close(fd)
-    temps.append(path)
-    return path
+  temp = functools.partial(_temp_file, temps)
 
   def output(spec, fd):
     if spec is None:
@@ -616,25 +644,18 @@ def _routed_run(relay, preload, real_run, *popenargs, **kwargs):
   timeout = kwargs.get("timeout")
   deadline = None if timeout is None else time.monotonic() + timeout
   sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  buf = b""
+  lines = _Lines(sock)
 
   def reply(until):
-    nonlocal buf
-    while b"\n" not in buf:
-      wait = None if until is None else max(0.0, until - time.monotonic())
-      if not select.select([sock], [], [], wait)[0]:
-        return None
-      chunk = sock.recv(1 << 16)
-      if not chunk:
-        raise ZygoteError("the relay closed the connection")
-      buf += chunk
-    line, _, buf = buf.partition(b"\n")
-    return json.loads(line)
+    try:
+      return lines.next(until)
+    except EOFError:
+      raise ZygoteError("the relay closed the connection") from None
 
   pid = code = None
   try:
     sock.connect(relay)
-    sock.sendall((json.dumps(request) + "\n").encode())
+    _send(sock, **request)
     started = reply(None)
     if "pid" not in started:  # the zygote could not fork: a fresh process, as without it
       return real_run(*popenargs, **kwargs)
@@ -728,7 +749,6 @@ def _become(request):
     sys.modules["numpy"].random.seed()
   sys.orig_argv = request["orig_argv"]
   if request.get("relay"):  # the command's own python children fork from a zygote too
-    import functools  # pylint: disable=g-import-not-at-top
     subprocess.run = functools.partial(_routed_run, request["relay"], _OWN_PRELOAD,
                                        subprocess.run)
 
