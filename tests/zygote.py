@@ -901,6 +901,12 @@ def _serve(preload) -> None:
       os.close(wake_r), os.close(wake_w)
       protocol_out.close()
       _become(request)
+    # The child's own group exists before its pid is handed out (the child sets it too): a
+    # kill of the group right after the fork would otherwise find no group and miss the child.
+    try:
+      os.setpgid(pid, pid)
+    except OSError:  # it already did, or has exited
+      pass
     children[pid] = request["id"]
     reply(id=request["id"], pid=pid)
     reap()
