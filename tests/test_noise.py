@@ -78,3 +78,47 @@ def test_zero_noise_is_exact():
 def test_noise_multiplier_validation(bad):
   with pytest.raises(ValueError, match="noise_multiplier"):
     noise.validate_noise_multiplier(bad)
+
+
+# --- the per-tensor streams against TensorFlow's own composition (the oracle) ----------------
+STREAM_SHAPES = [(3,), (4, 5), (), (0, 2), (2, 2, 3), (1,), (7,), (6, 1)]
+STREAM_SEEDS = [(0, 0), (1, 2), (-1, -1), (2**63 - 1, -2**63), (-123456789, 987654321),
+                (2**31, 2**31 - 1)]
+
+
+def _oracle_streams(shapes, seed):
+  """Draw ``k``: ``tf.random.stateless_normal(shape_k, stateless_fold_in(seed, k), philox)``."""
+  return [tf.random.stateless_normal(shape, tf.random.experimental.stateless_fold_in(seed, k),
+                                     dtype=tf.float32, alg="philox")
+          for k, shape in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_each_tensors_draw_is_tensorflows_own_stream_k_bit_for_bit(mode):
+  # The draws are built with fewer ops than TensorFlow's composition (tf_dpnsgd.noise,
+  # `_philox_streams`): every stream, for extreme and ordinary seeds, in every mode, must be
+  # TensorFlow's own draw for that stream, shape and seed, bit for bit.
+  rng = np.random.default_rng(5)
+  # (Under XLA the eight fixed shapes only: its compile of 32 streams takes seconds.)
+  shapes = STREAM_SHAPES + ([] if mode == "xla" else
+                            [tuple(rng.integers(1, 4, 2)) for _ in range(24)])
+  summed = [tf.zeros(s) for s in shapes]
+
+  def both(seed):
+    return noise.standard_normal(summed, seed), _oracle_streams(shapes, seed)
+
+  run = both if mode == "eager" else tf.function(both, jit_compile=mode == "xla")
+  seeds = STREAM_SEEDS + [tuple(rng.integers(-2**63, 2**63 - 1, 2)) for _ in range(4)]
+  draws = []
+  for seed in seeds:
+    got, want = run(tf.constant(seed, tf.int64))
+    assert len(got) == len(shapes)
+    for k, (g, w) in enumerate(zip(got, want)):
+      assert g.shape == w.shape == shapes[k] and g.dtype == tf.float32, (seed, k)
+      np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"seed {seed}, stream {k}")
+    draws.append(np.concatenate([g.numpy().ravel() for g in got]))
+  # Streams differ between tensors and seeds (no repeated draw; equal-shaped tensors included).
+  first = [g.numpy().ravel()[0] for g in got if g.numpy().size]
+  assert len(set(first)) == len(first)
+  assert len({d[:4].tobytes() for d in draws}) == len(seeds)
+  assert noise.standard_normal([], tf.constant([1, 2], tf.int64)) == []

@@ -100,18 +100,56 @@ def add_gaussian_noise(summed: Sequence[tf.Tensor], stddev: float,
 def standard_normal(summed: Sequence[tf.Tensor], seed: tf.Tensor) -> list[tf.Tensor]:
   """``N(0, I)`` draws shaped like ``summed``, stream ``k`` for tensor ``k`` (float32).
 
+  Draw ``k`` is ``tf.random.stateless_normal(shape_k, seed=stateless_fold_in(seed, k),
+  alg="philox")``, bit for bit (eager, graph and XLA; tests/test_noise.py), built
+  with a handful of ops for all tensors instead of ~58 per tensor (:func:`_philox_streams`):
+  the step's trace is 4-8x cheaper in its noise (a 64-variable model: 3713 -> 487 ops).
+
   Each draw waits for its tensor: the draws depend on the seed only, so the
   executor could otherwise make them all at the start of the step and hold a
   model-sized buffer through the per-example pass (measured: 105 MiB on a
   MiniLM-size BERT's two-pass step).
   """
+  summed = list(summed)
   out = []
-  for k, s in enumerate(summed):
-    k_seed = tf.random.experimental.stateless_fold_in(seed, k)
+  for s, (key, counter) in zip(summed, _philox_streams(seed, len(summed))):
     with tf.control_dependencies([s]):
-      out.append(tf.random.stateless_normal(tf.shape(s), seed=k_seed, dtype=tf.float32,
-                                            alg=NOISE_ALG))
+      out.append(tf.raw_ops.StatelessRandomNormalV2(
+          shape=tf.shape(s), key=key, counter=counter, alg=_PHILOX, dtype=tf.float32))
   return out
+
+
+_PHILOX = 1  # TensorFlow's RNG algorithm id of Philox (``alg="philox"``)
+_PHILOX_SCRAMBLE_KEY = 0x02461E293EC8F720  # TensorFlow's seed scrambling key for Philox
+
+
+def _philox_streams(seed: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]]:
+  """The Philox ``(key [1], counter [2])`` pairs of ``stateless_fold_in(seed, k)``, k < n.
+
+  What ``tf.random.stateless_normal(..., seed=stateless_fold_in(seed, k), alg="philox")``
+  computes before its draw, for all ``k`` at once: ``stateless_fold_in(seed, k)`` is
+  ``[u, k]`` with ``u`` the seed's one full-range int32 draw (``k`` a Python int: int32),
+  the same for every ``k``; Philox's seed scrambling maps a seed ``s`` to four uint32
+  ``m = Philox(key=0x02461E293EC8F720, counter=uint64(s))``, then
+  ``key = m0 | m1 << 32`` and ``counter = [0, m2 | m3 << 32]``. One scrambling draw per
+  stream (their counters differ in the high word: no single draw covers them); the rest
+  is shared.
+  """
+  if n == 0:
+    return []
+  u = tf.random.stateless_uniform([], seed=seed, dtype=tf.int32, minval=None, maxval=None)
+  seeds = tf.stack([tf.fill([n], u), tf.range(n, dtype=tf.int32)], axis=1)
+  scramble_key = tf.constant([_PHILOX_SCRAMBLE_KEY], tf.uint64)
+  four = tf.constant([4], tf.int32)
+  mix = tf.stack([tf.raw_ops.StatelessRandomUniformFullIntV2(
+      shape=four, key=scramble_key, counter=counter, alg=_PHILOX, dtype=tf.uint32)
+                  for counter in tf.unstack(tf.cast(seeds, tf.uint64), num=n)])
+  mix = tf.cast(mix, tf.uint64)  # [n, 4]
+  words = tf.bitwise.bitwise_or(mix[:, 0::2],
+                                tf.bitwise.left_shift(mix[:, 1::2], tf.constant(32, tf.uint64)))
+  keys = tf.split(words[:, 0], n)  # n x [1]
+  counters = tf.unstack(tf.stack([tf.zeros([n], tf.uint64), words[:, 1]], axis=1), num=n)
+  return list(zip(keys, counters))
 
 
 def gradient_noise_multiplier_tensor(noise_multiplier: float, clipped_count_stddev):
