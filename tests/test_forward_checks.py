@@ -452,6 +452,85 @@ def test_forward_pass_that_cannot_be_reproduced_is_refused():
     np.testing.assert_array_equal(a, b)
 
 
+class CountsTraces(keras.layers.Layer):
+  """The identity; counts the calls of its Python ``call`` (one per trace of a pass)."""
+
+  def __init__(self, extra=None, **kwargs):
+    super().__init__(**kwargs)
+    self.extra = extra
+    self.calls = 0
+
+  def call(self, x, training=None):
+    self.calls += 1
+    return self.extra(x) if self.extra is not None and training else x
+
+
+def counting_model(extra=None):
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((5,))
+  counter = CountsTraces(extra)
+  h = keras.layers.Dropout(0.3)(keras.layers.Dense(8, activation="tanh")(counter(inp)))
+  m = tf_dpnsgd.DPModel(inp, keras.layers.Dense(2)(h))
+  m.compile(optimizer=dpsgd(), loss=XENT)
+  return m, counter
+
+
+@pytest.mark.parametrize("extra,reused", [
+    (None, True),  # Keras dropout (a SeedGenerator, mapped): repeatable
+    (lambda t: tf.nn.dropout(t, 0.5), False),  # TensorFlow's stateful random op
+    (lambda t: t * tf.reshape(tf.py_function(lambda: np.float32(1.0), [], tf.float32), []),
+     False),
+    (lambda t: tf.cond(tf.reduce_sum(t) > 0, lambda: t + tf.random.normal(tf.shape(t)),
+                       lambda: t), False),  # a stateful draw inside a branch function
+], ids=["keras_dropout", "tf_dropout", "py_function", "draw_in_cond"])
+def test_a_frozen_pass_reruns_its_second_trace_only_where_the_graph_repeats(extra, reused):
+  """The first two passes are traced afresh (trace-time randomness differs between them);
+  later passes rerun the second trace only if nothing in it may draw anew: else they trace
+  afresh too. Every pass gives the same losses either way (frozen randomness)."""
+  x, y = data(16)
+  m, counter = counting_model(extra)
+  built = counter.calls  # the functional model's symbolic call
+  forward = forward_checks.frozen_forward_losses(m, m._dp_loss_fn)
+  first = forward(x, y).numpy()
+  for _ in range(3):
+    np.testing.assert_array_equal(forward(x, y).numpy(), first)
+  assert counter.calls - built == (2 if reused else 4)
+  # Another input signature for a rerun trace is traced (and checked) once.
+  forward(x[:8], y[:8])
+  forward(x[:8], y[:8])
+  assert counter.calls - built == (3 if reused else 6)
+  # The interaction probe's three passes: base, repeat (traced afresh), changed rows (rerun).
+  m, counter = counting_model(extra)
+  built = counter.calls
+  report = interaction.probe_interaction(interaction.model_forward_losses(m, m._dp_loss_fn),
+                                         x, y)
+  assert bool(report.tested) and bool(report.reproducible) and not bool(report.refused)
+  assert counter.calls - built == (2 if reused else 3)
+
+
+def test_unrepeatable_ops_lists_every_stateful_op_not_known_to_repeat():
+  from tf_dpnsgd.per_example import stateless
+  v = tf.Variable(1.0)
+
+  def ops_of(fn):
+    graph = tf.function(fn).get_concrete_function(tf.TensorSpec([3])).graph
+    return stateless.unrepeatable_ops(graph.get_operations(), graph)
+
+  assert ops_of(lambda t: tf.debugging.assert_all_finite(t * v, "finite") + 1.0) == []
+  assert ops_of(lambda t: tf.random.stateless_normal([3], seed=[1, 2]) + t) == []
+  assert ops_of(lambda t: tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * v),
+                                        (0, t))[1]) == []
+  found = ops_of(lambda t: t + tf.random.uniform([3]))
+  assert len(found) == 1 and found[0].startswith("RandomUniform")
+  assert ops_of(lambda t: tf.py_function(lambda a: a, [t], tf.float32))[0].startswith(
+      "EagerPyFunc")
+  looped = ops_of(lambda t: tf.while_loop(
+      lambda i, a: i < 3, lambda i, a: (i + 1, a + tf.random.normal([3])), (0, t))[1])
+  assert len(looped) == 1 and "RandomStandardNormal" in looped[0] and "in function" in looped[0]
+  generator = tf.random.Generator.from_seed(1)
+  assert ops_of(lambda t: t + generator.normal([3]))  # a resource write draws anew too
+
+
 # --- helpers -------------------------------------------------------------------------------
 def test_losses_agree_and_shape_signature():
   assert forward_checks.losses_agree([1.0, np.nan], [1.0, np.nan])

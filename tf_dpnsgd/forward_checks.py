@@ -38,7 +38,9 @@ seeded by constants) get the same op seeds in every pass, because each pass is
 traced afresh as its own function with a fixed graph-level seed
 (:data:`PROBE_SEED`, set only inside that trace; the user's global seed is not
 touched), so every random op gets the same (graph seed, op id) pair and its
-own kernel, and draws the same values in every pass.
+own kernel, and draws the same values in every pass. (A pass after the second reruns
+the second's trace where its graph holds no stateful op that could draw anew:
+:func:`frozen_forward_losses`.)
 
 What is not detected or not frozen: random values fixed when a pass is traced
 (``numpy.random`` in ``call``) and random ops inside a ``tf.function`` the
@@ -137,27 +139,52 @@ def _first_rows(structure, n):
 def frozen_forward_losses(model, loss_fn, training=True):
   """``fn(x, y) -> [B]``: ``loss_fn(y, model(x, training))`` with every random op frozen.
 
-  Every call traces the pass afresh as its own ``tf.function`` (nested in the
-  caller's graph, or run at once when eager) with the graph-level seed
-  :data:`PROBE_SEED` and the model's seed generators (and Keras' global one)
-  mapped to their current states, so equal inputs draw equal random values
-  (see the module docstring). No state changes: seeds are not advanced, and
-  any other write raises :class:`StateWriteError` while tracing.
+  The pass is a ``tf.function`` (nested in the caller's graph, or run at once when eager)
+  traced with the graph-level seed :data:`PROBE_SEED` and the model's seed generators (and
+  Keras' global one) mapped to their current states, so equal inputs draw equal random
+  values (see the module docstring). No state changes: seeds are not advanced, and any
+  other write raises :class:`StateWriteError` while tracing.
+
+  The first two calls are traced afresh, each with the same op seeds and its own kernels:
+  randomness fixed while tracing (``numpy.random`` in ``call``) then differs between them,
+  and the comparison that follows refuses (:func:`check_reproducible`; the interaction
+  probe's base and repeat passes). From the third call on (the probe's pass on changed
+  rows), the second call's trace is run again when its graph is repeatable (no stateful op
+  but reads, assertions and control flow:
+  :func:`tf_dpnsgd.per_example.stateless.unrepeatable_ops`; a new input signature's trace
+  is checked on its first call): it draws what its first run drew. A graph with a stateful
+  random op (or any stateful op not known to repeat) is traced afresh for every call.
   """
 
-  def forward(x, y):
-    def run(x, y):
-      if not tf.executing_eagerly():  # (run_functions_eagerly: not frozen, never the global seed)
-        tf.random.set_seed(PROBE_SEED)  # inside a trace: this function graph's seed only
-      with stateless.NoStateWrites(model, advance_seeds=False):
-        return loss_fn(y, model(x, training=training))
+  def run(x, y):
+    if not tf.executing_eagerly():  # (run_functions_eagerly: not frozen, never the global seed)
+      tf.random.set_seed(PROBE_SEED)  # inside a trace: this function graph's seed only
+    with stateless.NoStateWrites(model, advance_seeds=False):
+      return loss_fn(y, model(x, training=training))
 
+  def traced():
     function = tf.function(run, autograph=False)
-    # Traced afresh on purpose (frozen seeds: one trace per pass): called eagerly (the
+    # Traced afresh where a graph is not repeatable (one trace per pass): called eagerly (the
     # probe with one replica, check_reproducible), TensorFlow's frequent-retracing
     # detector, keyed on `run`'s code object, would warn after a few passes.
     function._omit_frequent_tracing_warning = True  # pylint: disable=protected-access
-    return function(x, y)
+    return function
+
+  calls = []
+  repeatable = []  # the function of the latest trace, if its graph is repeatable
+
+  def forward(x, y):
+    if tf.config.functions_run_eagerly():
+      return traced()(x, y)
+    calls.append(None)
+    function = repeatable[0] if len(calls) > 2 and repeatable else traced()
+    traces = function.experimental_get_tracing_count()
+    out = function(x, y)
+    if function.experimental_get_tracing_count() != traces:  # this call traced: check it
+      graph = function.get_concrete_function(x, y).graph
+      repeatable[:] = [] if stateless.unrepeatable_ops(graph.get_operations(), graph) else [
+          function]
+    return out
 
   return forward
 

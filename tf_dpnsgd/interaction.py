@@ -411,8 +411,9 @@ def make_probe_function(model):
   bookkeeping (row split, tolerances, a few dozen small ops) costs less
   eagerly than tracing it, its ``tf.cond`` branches and the enclosing graph
   for a single call (about 2.5x less CPU on a tiny model), and the forward
-  passes are compiled functions anyway, each traced afresh with its frozen
-  seeds (:func:`model_forward_losses`), so the values, the gradient and the
+  passes are compiled functions anyway, with frozen seeds (:func:`model_forward_losses`:
+  the base and repeat passes each traced afresh, the changed rows' pass rerunning the
+  repeat's trace where its graph repeats), so the values, the gradient and the
   verdict are those of the compiled probe. Under any other strategy it stays
   one ``tf.function`` (``autograph=False``): ``strategy.run`` with a
   cross-replica ``all_reduce`` is traced. The probe is never XLA-compiled

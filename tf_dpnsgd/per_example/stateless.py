@@ -168,6 +168,31 @@ def stateful_random_ops(operations, graph=None) -> list:
   return _scan(operations, graph, is_random)
 
 
+REPEATABLE_STATEFUL_OPS = READ_ONLY_RESOURCE_OPS | frozenset({
+    "Assert", "CheckNumerics", "CheckNumericsV2", "If", "While", "Case",
+    "StatefulPartitionedCall", "PartitionedCall"})
+"""Ops TensorFlow registers as stateful that give the same outputs whenever a graph runs
+them again on the same inputs and variables (reads, assertions; calls, conditionals and
+loops, whose bodies :func:`unrepeatable_ops` scans)."""
+
+
+def unrepeatable_ops(operations, graph=None) -> list:
+  """Ops among ``operations`` (and in the functions they call) that TensorFlow registers as
+  stateful and that are not in :data:`REPEATABLE_STATEFUL_OPS`: a second run of the same
+  graph may give other outputs (a stateful random op, a ``py_function``, a queue or reader,
+  an unknown stateful op). Empty: running the traced graph again on the same inputs and
+  variables computes the same values, kernel determinism aside (fail closed: any stateful
+  op not known to repeat is listed).
+  """
+  def flagged(op_type):
+    op_def = op_def_registry.get(op_type)
+    if op_def is None:
+      return None
+    return op_def.is_stateful and op_type not in REPEATABLE_STATEFUL_OPS
+
+  return _scan(operations, graph, flagged)
+
+
 def _scan(operations, graph, flagged) -> list:
   """Ops (also inside called functions) for which ``flagged(op_type)`` is True.
 
