@@ -136,3 +136,30 @@ def test_zero_dropped_units_builds_no_batch_sized_constant():
   x = tf.constant([[1.0, 2.0], [float("nan"), float("inf")]])
   np.testing.assert_array_equal(factored.zero_dropped_units(x, tf.constant([True, False])).numpy(),
                                 [[1.0, 2.0], [0.0, 0.0]])
+
+
+def test_static_sizes_give_the_bounds_of_dynamic_ones_bit_for_bit():
+  """A size known while tracing is folded in Python (``gamma``, ``sum_of_squares``' error
+  terms): the same float64 operations in the same order as in a graph, so the same bits.
+  Oracle: the documented bound evaluated with the size as a float64 tensor."""
+  for n in (0, 1, 7, 84, 2**40 + 1, 2**53 + 1, 2**62 + 3):
+    assert factored.gamma(n).numpy() == factored.gamma(tf.constant(n, tf.int64)).numpy(), n
+    assert factored.gamma(float(n)).numpy() == factored.gamma(
+        tf.constant(float(n), tf.float64)).numpy(), n
+  rng = np.random.default_rng(1)
+  g = (rng.normal(size=(6, 3, 12)) * np.array([1e-30, 1e-3, 1.0, 1e6, 1e18, 1.0])[:, None, None]
+       ).astype(np.float32)
+  g[5, 0, 0] = np.nan
+  g[4] = 0.0
+  for x, k in ((g, 4), (g[:, :, :7], 1), (g[:, :1, :2], 2)):
+    value, error = tf.function(factored.sum_of_squares)(tf.constant(x))
+    size = tf.constant(float(x[0].size), tf.float64)
+    gamma = 2.0 * (size + 2.0) * factored.EPS64
+    if k == 1:
+      expected = gamma * value
+    else:
+      relative = 2.0 * (k + 2) * factored.EPS32 * (1.0 + 4.0 * (k + 2) * factored.EPS32) + \
+          size * 2.0 ** -66
+      redo = tf.logical_not(tf.logical_and(value >= 2.0 ** -60, tf.math.is_finite(value)))
+      expected = (tf.where(redo, tf.zeros_like(value), relative) + gamma) * value
+    np.testing.assert_array_equal(error.numpy(), expected.numpy())

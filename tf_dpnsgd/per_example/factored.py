@@ -222,8 +222,11 @@ def use_ghost(num_positions, p: int, q: int):
 def gamma(n) -> tf.Tensor:
   """``2 (n + 2) EPS64``: a safe relative error bound for ``n``-term float64 dot products/sums.
 
-  ``n`` may be a Python number or a tensor; returns a float64 scalar tensor.
+  ``n`` may be a Python number or a tensor; returns a float64 scalar tensor (a constant for
+  a Python number: the same float64 operations, in the same order, done in Python).
   """
+  if isinstance(n, (int, float)):
+    return tf.constant(2.0 * (float(n) + 2.0) * EPS64, tf.float64)
   return 2.0 * (tf.cast(n, tf.float64) + 2.0) * EPS64
 
 
@@ -266,7 +269,7 @@ def sum_of_squares(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   units = tf.shape(g)[0]
   flat = tf.reshape(g, [units, -1])
   n = flat.shape[1]
-  size = tf.cast(n if n is not None else tf.shape(flat)[1], tf.float64)
+  size = float(n) if n is not None else tf.cast(tf.shape(flat)[1], tf.float64)
 
   def in_float64(rows):
     return tf.reduce_sum(tf.square(tf.cast(rows, tf.float64)), axis=1)
