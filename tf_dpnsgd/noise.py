@@ -112,10 +112,11 @@ def standard_normal(summed: Sequence[tf.Tensor], seed: tf.Tensor) -> list[tf.Ten
   """
   summed = list(summed)
   out = []
+  alg = tf.constant(_PHILOX, tf.int32)  # one constant for every draw
   for s, (key, counter) in zip(summed, _philox_streams(seed, len(summed))):
     with tf.control_dependencies([s]):
       out.append(tf.raw_ops.StatelessRandomNormalV2(
-          shape=tf.shape(s), key=key, counter=counter, alg=_PHILOX, dtype=tf.float32))
+          shape=tf.shape(s), key=key, counter=counter, alg=alg, dtype=tf.float32))
   return out
 
 
@@ -141,8 +142,9 @@ def _philox_streams(seed: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]
   seeds = tf.stack([tf.fill([n], u), tf.range(n, dtype=tf.int32)], axis=1)
   scramble_key = tf.constant([_PHILOX_SCRAMBLE_KEY], tf.uint64)
   four = tf.constant([4], tf.int32)
+  alg = tf.constant(_PHILOX, tf.int32)
   mix = tf.stack([tf.raw_ops.StatelessRandomUniformFullIntV2(
-      shape=four, key=scramble_key, counter=counter, alg=_PHILOX, dtype=tf.uint32)
+      shape=four, key=scramble_key, counter=counter, alg=alg, dtype=tf.uint32)
                   for counter in tf.unstack(tf.cast(seeds, tf.uint64), num=n)])
   mix = tf.cast(mix, tf.uint64)  # [n, 4]
   words = tf.bitwise.bitwise_or(mix[:, 0::2],
