@@ -208,6 +208,9 @@ def noised_unclipped_fraction(centered_count, clipped_count_stddev, denominator,
 # under XLA on CPU about 40x faster to run than the default's compiled generator (6.3 M
 # normals: 0.17 s vs 6.8-8.4 s, measured; README "XLA").
 NOISE_ALG = "philox"
+if NOISE_ALG != "philox":  # standard_normal derives Philox's keys and counters itself
+  raise ImportError("tf_dpnsgd.noise: standard_normal's streams are Philox's (_philox_streams); "
+                    "another NOISE_ALG needs its own key derivation.")
 NOISE_TAG = 0x5EED  # separates the noise stream from other uses of the same seed
 COUNT_TAG = 0xC0C7  # adaptive clipping's count noise: a stream independent of the gradient's
 
