@@ -45,8 +45,13 @@ SCRIPT = textwrap.dedent("""
       diff = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), multi.get_weights()))
       moved = max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), build().get_weights()))
       clips = [float(getattr(m.optimizer, "current_l2_norm_clip", 0.3)) for m in (single, multi)]
+      # The ledger's host reads (tf_dpnsgd.ledger.host_value) of mirrored variables: Keras' own.
+      from tf_dpnsgd import ledger as ledger_lib
+      held = list(multi.privacy_ledger._vars.values())
+      reads = int(all(np.array_equal(ledger_lib.host_value(v), np.asarray(v.numpy())) for v in held)
+                  and any(isinstance(v.value, tf.distribute.DistributedValues) for v in held))
       print("RESULT", case, strategy.num_replicas_in_sync, diff, moved, multi.privacy_ledger.steps,
-            *clips, flush=True)
+            *clips, reads, flush=True)
 """)
 
 
@@ -54,13 +59,14 @@ def run_mirrored_cases(cases) -> list:
   """Runs SCRIPT once for several ``(noise, DPSGD kwargs)`` cases (DPSGD on 1 device vs
   MirroredStrategy on 2, each case from the same seeds, one after the other in one process:
   TensorFlow is imported once) and returns one RESULT dict per case, in order: replicas, max
-  weight difference, how far training moved the weights, ledger steps, and the final clip of
-  the single and the mirrored run."""
+  weight difference, how far training moved the weights, ledger steps, the final clip of
+  the single and the mirrored run, and 1 if the mirrored ledger's variables are distributed and
+  every host read of them equals Keras' own."""
   out = zygote.run([sys.executable, "-c", SCRIPT, json.dumps(
       [[noise, kwargs] for noise, kwargs in cases])], capture_output=True, text=True, timeout=300)
   lines = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
   assert [int(l[0]) for l in lines] == list(range(len(cases))), out.stderr[-3000:]
-  keys = ("replicas", "diff", "moved", "steps", "clip_single", "clip_multi")
+  keys = ("replicas", "diff", "moved", "steps", "clip_single", "clip_multi", "ledger_reads")
   return [{k: float(v) for k, v in zip(keys, l[1:])} for l in lines]
 
 
@@ -91,6 +97,7 @@ def test_mirrored_strategy_matches_single_device(noise, mirrored_by_noise):
   assert r["moved"] > 1e-3  # training changed the weights
   assert r["diff"] < 1e-6  # ... identically on 1 and 2 replicas
   assert r["steps"] == 2  # one noise draw per logical batch
+  assert r["ledger_reads"] == 1  # mirrored ledger variables, read on the host as Keras reads them
 
 
 @pytest.mark.slow

@@ -311,3 +311,64 @@ def test_ledger_is_model_state_not_trainable():
   assert not ledger_vars & {id(v) for v in model.weights}
   with pytest.raises(TypeError, match="privacy ledger"):
     tf_dpnsgd.ledger_of(keras.Sequential([keras.layers.Dense(1)]))
+
+
+# --- the host's reads of the ledger (issue 47: one ReadVariableOp a variable) -----------------
+def test_host_reads_equal_keras_reads_for_every_field_and_see_writes_made_in_a_graph():
+  """``ledger.host_value`` against Keras' own ``variable.numpy()`` (the oracle): every field of
+  a ledger (int32, int64, float32, float64; scalars and the release and warm-start vectors) at
+  extreme values, after writes made on the host and inside a traced function; a float16 and
+  a mixed-precision (autocast) variable; anything without a ``tf.Variable`` underneath falls
+  back to ``numpy()``."""
+  from tf_dpnsgd import ledger as ledger_lib  # pylint: disable=import-outside-toplevel
+
+  led = ledger_lib.PrivacyLedger(name="host_read_ledger")
+  fields = dict(led._vars)
+
+  def check():
+    for name, v in fields.items():
+      mine, keras_own = ledger_lib.host_value(v), np.asarray(v.numpy())
+      assert mine.dtype == keras_own.dtype and mine.shape == keras_own.shape, name
+      np.testing.assert_array_equal(mine, keras_own, err_msg=name)
+
+  check()  # fresh: zeros, +inf minima, a random lineage
+  extremes = {np.dtype("int64"): np.iinfo(np.int64).min, np.dtype("int32"): np.iinfo(np.int32).max,
+              np.dtype("float32"): -np.finfo(np.float32).max, np.dtype("float64"): np.nan}
+  for v in fields.values():
+    dtype = np.asarray(v.numpy()).dtype
+    v.assign(np.full(v.shape, extremes[dtype], dtype))
+  check()
+
+  @tf.function
+  def step():
+    fields["steps"].assign_add(1)
+    fields[ledger_lib.RELEASE_FIELD].assign(tf.fill([ledger_lib.MAX_RELEASES], 0.25))
+
+  fields["steps"].assign(41)
+  step()
+  assert int(ledger_lib.host_value(fields["steps"])) == 42 == led.steps
+  assert ledger_lib.host_value(fields[ledger_lib.RELEASE_FIELD]).tolist() == [0.25] * 64
+  check()
+  state = led.state()
+  assert state["steps"] == 42 and state[ledger_lib.RELEASE_FIELD] == [0.25] * 64
+
+  half = keras.Variable(np.array([1.5, -2.0], np.float16))
+  assert ledger_lib.host_value(half).dtype == np.float16
+  np.testing.assert_array_equal(ledger_lib.host_value(half), half.numpy())
+  policy = keras.config.dtype_policy()
+  keras.config.set_dtype_policy("mixed_float16")
+  try:
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    np.testing.assert_array_equal(ledger_lib.host_value(layer.kernel), layer.kernel.numpy())
+    assert ledger_lib.host_value(layer.kernel).dtype == np.float32  # the stored variable's
+  finally:
+    keras.config.set_dtype_policy(policy)
+
+  class NotAVariable:  # e.g. a distributed variable: no single handle outside a replica
+    value = np.array([3, 4])
+
+    def numpy(self):
+      return self.value
+
+  assert ledger_lib.host_value(NotAVariable()).tolist() == [3, 4]
