@@ -161,6 +161,7 @@ _FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash", "us
            RELEASE_FIELD, WARM_START_FIELD, "noise_bands", "trainable_digest",
            "trainable_count", "trainable_size", "privacy_unit", "unit_rows") + ADAPTIVE_FIELDS
 _MIN_FIELDS = ("min_noise_multiplier",)  # start at +inf
+_BATCH_CHECK_FIELDS = ("steps", "kind", "expected_kind", "sampler", "sampler_seed_hash")
 _SHAPES = {RELEASE_FIELD: (MAX_RELEASES,), WARM_START_FIELD: (_SOURCE_BYTES,)}
 _OLD_FIELDS = ("steps", "kind", "expected_kind", "sampler", "user_seeded_steps",
                "min_noise_multiplier")  # files written before the seed hash existed
@@ -379,9 +380,13 @@ class PrivacyLedger(keras.layers.Layer):
   # --- reading (eager) -------------------------------------------------------
   def state(self) -> dict:
     """All entries as Python values."""
+    return self._entries(self._vars)
+
+  def _entries(self, names) -> dict:
+    """The entries ``names`` as Python values, each read now (one read a variable)."""
     out = {}
-    for name, v in self._vars.items():
-      value = host_value(v)
+    for name in names:
+      value = host_value(self._vars[name])
       cast = float if value.dtype.kind == "f" else int
       out[name] = [cast(a) for a in value] if value.ndim else cast(value)
     return out
@@ -667,7 +672,7 @@ class PrivacyLedger(keras.layers.Layer):
         batching in-memory arrays, or the user's ``trust_untagged_batches``).
       untagged_hint: what to do instead, for the error message.
     """
-    state = self.state()
+    state = self._entries(_BATCH_CHECK_FIELDS)  # what this check reads, read now: 5 of 25
     steps = state["steps"] + int(offset)
     kind = summary.kind if summary.tagged else KIND_CODES[UNTAGGED]
     if summary.tagged and kind not in KIND_NAMES:
