@@ -170,20 +170,20 @@ def frozen_forward_losses(model, loss_fn, training=True):
     function._omit_frequent_tracing_warning = True  # pylint: disable=protected-access
     return function
 
-  calls = []
-  repeatable = []  # the function of the latest trace, if its graph is repeatable
+  calls = 0
+  repeatable = None  # the function of the latest trace, if its graph is repeatable
 
   def forward(x, y):
+    nonlocal calls, repeatable
     if tf.config.functions_run_eagerly():
       return traced()(x, y)
-    calls.append(None)
-    function = repeatable[0] if len(calls) > 2 and repeatable else traced()
+    calls += 1
+    function = repeatable if calls > 2 and repeatable is not None else traced()
     traces = function.experimental_get_tracing_count()
     out = function(x, y)
     if function.experimental_get_tracing_count() != traces:  # this call traced: check it
       graph = function.get_concrete_function(x, y).graph
-      repeatable[:] = [] if stateless.unrepeatable_ops(graph.get_operations(), graph) else [
-          function]
+      repeatable = None if stateless.unrepeatable_ops(graph.get_operations(), graph) else function
     return out
 
   return forward
