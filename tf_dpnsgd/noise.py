@@ -112,8 +112,8 @@ def standard_normal(summed: Sequence[tf.Tensor], seed: tf.Tensor) -> list[tf.Ten
   """
   summed = list(summed)
   out = []
-  alg = tf.constant(_PHILOX, tf.int32)  # one constant for every draw
-  for s, (key, counter) in zip(summed, _philox_streams(seed, len(summed))):
+  alg = tf.constant(_PHILOX, tf.int32)  # one constant for every draw and every scrambling
+  for s, (key, counter) in zip(summed, _philox_streams(seed, len(summed), alg)):
     with tf.control_dependencies([s]):
       out.append(tf.raw_ops.StatelessRandomNormalV2(
           shape=tf.shape(s), key=key, counter=counter, alg=alg, dtype=tf.float32))
@@ -124,7 +124,8 @@ _PHILOX = 1  # TensorFlow's RNG algorithm id of Philox (``alg="philox"``)
 _PHILOX_SCRAMBLE_KEY = 0x02461E293EC8F720  # TensorFlow's seed scrambling key for Philox
 
 
-def _philox_streams(seed: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]]:
+def _philox_streams(seed: tf.Tensor, n: int,
+                    alg: tf.Tensor) -> list[tuple[tf.Tensor, tf.Tensor]]:
   """The Philox ``(key [1], counter [2])`` pairs of ``stateless_fold_in(seed, k)``, k < n.
 
   What ``tf.random.stateless_normal(..., seed=stateless_fold_in(seed, k), alg="philox")``
@@ -134,7 +135,7 @@ def _philox_streams(seed: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]
   ``m = Philox(key=0x02461E293EC8F720, counter=uint64(s))``, then
   ``key = m0 | m1 << 32`` and ``counter = [0, m2 | m3 << 32]``. One scrambling draw per
   stream (their counters differ in the high word: no single draw covers them); the rest
-  is shared.
+  is shared. ``alg``: the int32 constant of Philox (``_PHILOX``), the caller's.
   """
   if n == 0:
     return []
@@ -142,7 +143,6 @@ def _philox_streams(seed: tf.Tensor, n: int) -> list[tuple[tf.Tensor, tf.Tensor]
   seeds = tf.stack([tf.fill([n], u), tf.range(n, dtype=tf.int32)], axis=1)
   scramble_key = tf.constant([_PHILOX_SCRAMBLE_KEY], tf.uint64)
   four = tf.constant([4], tf.int32)
-  alg = tf.constant(_PHILOX, tf.int32)
   mix = tf.stack([tf.raw_ops.StatelessRandomUniformFullIntV2(
       shape=four, key=scramble_key, counter=counter, alg=alg, dtype=tf.uint32)
                   for counter in tf.unstack(tf.cast(seeds, tf.uint64), num=n)])
