@@ -188,9 +188,15 @@ def host_value(variable) -> np.ndarray:
   backend_variable = getattr(variable, "value", None)
   if (isinstance(backend_variable, tf.Variable)
       and not isinstance(backend_variable, tf.distribute.DistributedValues)):
-    return tf.raw_ops.ReadVariableOp(resource=backend_variable.handle,
-                                     dtype=backend_variable.dtype).numpy()
+    return np.asarray(tf.raw_ops.ReadVariableOp(resource=backend_variable.handle,
+                                                dtype=backend_variable.dtype).numpy())
   return np.asarray(variable.numpy())
+
+
+def _python_value(value: np.ndarray):
+  """A ledger entry's array as Python: an int or a float, or a list of them."""
+  cast = float if value.dtype.kind == "f" else int
+  return [cast(a) for a in value] if value.ndim else cast(value)
 
 
 class LedgerMismatchError(ValueError):
@@ -384,12 +390,7 @@ class PrivacyLedger(keras.layers.Layer):
 
   def _entries(self, names) -> dict:
     """The entries ``names`` as Python values, each read now (one read a variable)."""
-    out = {}
-    for name in names:
-      value = host_value(self._vars[name])
-      cast = float if value.dtype.kind == "f" else int
-      out[name] = [cast(a) for a in value] if value.ndim else cast(value)
-    return out
+    return {name: _python_value(host_value(self._vars[name])) for name in names}
 
   @property
   def steps(self) -> int:
@@ -633,9 +634,10 @@ class PrivacyLedger(keras.layers.Layer):
     self._note(self.state())
 
   def save_own_variables(self, store):
-    state = self.state()
-    for name, value in state.items():
-      store[name] = np.asarray(host_value(self._vars[name]))
+    arrays = {name: host_value(v) for name, v in self._vars.items()}  # one read each
+    for name, value in arrays.items():
+      store[name] = value  # an array (0-d for a scalar), as Keras' numpy() gave
+    state = {name: _python_value(value) for name, value in arrays.items()}
     lineage_lib.record_steps(state["lineage"], state["steps"], releases=release_list(state))
 
   def load_own_variables(self, store):
